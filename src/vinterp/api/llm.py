@@ -1,0 +1,96 @@
+"""`vinterp.LLM`: one object for a model served by vLLM or run by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from vinterp.engine.outputs import Output
+from vinterp.engine.sampling import sampling_kwargs
+
+Prompt = str | list[int]
+BACKENDS = ("vllm", "hf")
+
+
+class LLM:
+    """A model to generate with (and, in later releases, to trace, steer and capture).
+
+    `model` is a local HF checkpoint directory (or a hub id where a hub is reachable); None is
+    the bundled SmolLM2-135M-Instruct. The dtype defaults to the checkpoint's own on both
+    backends, so the engine and the reference compute in the same precision.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        backend: Literal["vllm", "hf"] = "vllm",
+        **engine_kwargs: Any,
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if model is None:
+            from vinterp.models import bundled
+
+            model = bundled()
+        self.model_path = model
+        self.backend = backend
+        self.config = AutoConfig.from_pretrained(str(model))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        dtype = engine_kwargs.pop("dtype", None) or _checkpoint_dtype(self.config)
+        if backend == "hf":
+            if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+                raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
+            from vinterp.engine.hf_engine import HFEngine
+
+            self._engine = HFEngine(Path(model), dtype, self.tokenizer, **engine_kwargs)
+        else:
+            from vinterp.engine.vllm_engine import VLLMEngine
+
+            self._engine = VLLMEngine(
+                model, dtype, tensor_parallel_size, pipeline_parallel_size, **engine_kwargs
+            )
+
+    @property
+    def engine(self) -> Any:
+        """The underlying `vllm.LLM` (or transformers model with backend='hf')."""
+        return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
+
+    def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[Output]:
+        """Complete each prompt; sampling options are vLLM's (greedy, 16 tokens by default)."""
+        return self._engine.generate(self._tokenize(prompts), sampling_kwargs(sampling))
+
+    def _tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = []
+        for prompt in prompts:  # type: ignore[union-attr]
+            if isinstance(prompt, str):
+                token_lists.append(self.tokenizer(prompt).input_ids)
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                token_lists.append(list(prompt))
+            else:
+                raise TypeError(
+                    f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                )
+        return token_lists
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (also done at interpreter exit)."""
+        self._engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _checkpoint_dtype(config: Any) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return str(dtype).removeprefix("torch.")

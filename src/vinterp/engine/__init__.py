@@ -1,0 +1,1 @@
+"""Backends that run a model: vLLM (the engine) and transformers (the reference)."""

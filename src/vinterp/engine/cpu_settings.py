@@ -1,0 +1,40 @@
+"""Settings vLLM's CPU backend needs on a small machine (DESIGN.md lesson 8).
+
+Applied only when the user has not set them: the KV cache size and one explicit core list per
+worker (TP x PP ranks). The binding is recomputed for every engine, so engines of different
+world sizes can be started one after another in the same process.
+"""
+
+from __future__ import annotations
+
+import os
+
+KV_CACHE_GIB = "1"
+_USER_ENV = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+
+
+def thread_binding(world_size: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` workers its own cores.
+
+    Cores are split into contiguous, near-equal groups; with more workers than cores, workers
+    share cores round-robin (slow, but it starts).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if world_size >= len(cpus):
+        groups = [[cpus[rank % len(cpus)]] for rank in range(world_size)]
+    else:
+        base, extra = divmod(len(cpus), world_size)
+        groups, start = [], 0
+        for rank in range(world_size):
+            size = base + (1 if rank < extra else 0)
+            groups.append(cpus[start : start + size])
+            start += size
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+def configure_cpu_environment(world_size: int) -> None:
+    """Set the CPU engine's environment for a `world_size`-worker engine, respecting the user's."""
+    if _USER_ENV["VLLM_CPU_KVCACHE_SPACE"] is None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
+    if _USER_ENV["VLLM_CPU_OMP_THREADS_BIND"] is None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(world_size)

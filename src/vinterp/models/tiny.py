@@ -1,0 +1,105 @@
+"""Tiny random-weight checkpoints for architecture coverage and parallelism tests.
+
+Head size is 64 because vLLM's CPU attention only accepts some head sizes (DESIGN.md lesson 8).
+The tokenizer is a real byte-level BPE trained on a fixed text, so prompts are real strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from vinterp.models.cache import cached_checkpoint
+
+SEED = 0
+VOCAB_SIZE = 512
+# Large enough init that greedy tokens are decided by clear margins, not float noise.
+INIT_RANGE = 0.2
+
+_TOKENIZER_TEXT = """
+The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.
+Once upon a time there was a small model that wanted to know what it was thinking.
+Researchers read the residual stream, patch activations, steer with vectors and capture
+features for probes and sparse autoencoders. Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+def hello(world): return world + 1  # code, too
+"""
+
+_BASE_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+}
+
+ARCHITECTURES = tuple(_BASE_CONFIGS)
+
+
+def tiny_config(arch: str, **overrides: Any) -> dict[str, Any]:
+    """The config dict `tiny(arch, **overrides)` builds (without writing anything)."""
+    if arch not in _BASE_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+    config = dict(_BASE_CONFIGS[arch])
+    config.update(
+        vocab_size=VOCAB_SIZE,
+        initializer_range=INIT_RANGE,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    config.update(overrides)
+    return config
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_TOKENIZER_TEXT.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+def _builder(config_dict: dict[str, Any]):
+    def build(out_dir: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config_dict_ = dict(config_dict)
+        config = AutoConfig.for_model(config_dict_.pop("model_type"), **config_dict_)
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        _build_tokenizer().save_pretrained(out_dir)
+
+    return build
+
+
+def tiny(arch: str = "llama", **overrides: Any) -> Path:
+    """Local HF checkpoint of a tiny random `arch` model, cached by its config's hash."""
+    config = tiny_config(arch, **overrides)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    return cached_checkpoint(f"tiny-{arch}-{digest}", _builder(config))

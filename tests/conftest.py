@@ -1,0 +1,52 @@
+"""Shared engines: at most one vLLM engine alive at a time, reused by every test that asks for
+the same configuration (an engine start costs a minute on two cores)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import vinterp
+
+
+class EnginePool:
+    """Keeps the most recently requested vLLM engine; asking for another stops it first."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.llm: vinterp.LLM | None = None
+        self._hf: dict[str, vinterp.LLM] = {}
+
+    def vllm(self, model: Any = None, **kwargs: Any) -> vinterp.LLM:
+        key = (str(model), tuple(sorted(kwargs.items())))
+        if key != self.key:
+            self.release()
+            self.llm = vinterp.LLM(model, **kwargs)
+            self.key = key
+        assert self.llm is not None
+        return self.llm
+
+    def hf(self, model: Any = None) -> vinterp.LLM:
+        if str(model) not in self._hf:
+            self._hf[str(model)] = vinterp.LLM(model, backend="hf")
+        return self._hf[str(model)]
+
+    def release(self) -> None:
+        """Stop the live vLLM engine, if any (before a test starts its own)."""
+        if self.llm is not None:
+            self.llm.shutdown()
+        self.llm, self.key = None, None
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[EnginePool]:
+    pool = EnginePool()
+    yield pool
+    pool.release()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Callable[[], Any]:
+    return vinterp.models.tiny("llama")
