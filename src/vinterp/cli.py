@@ -25,8 +25,41 @@ def _demo(args: argparse.Namespace) -> None:
     llm = vinterp.LLM()
     print(f"engine started in {time.perf_counter() - start:.1f} s")
     outputs = llm.generate(DEMO_PROMPTS, max_tokens=args.max_tokens, temperature=0.0)
+    print("\n== greedy completions")
     for prompt, out in zip(DEMO_PROMPTS, outputs):
         print(f"{prompt!r} -> {out.text!r}")
+    _demo_trace(llm)
+    llm.shutdown()
+
+
+def _demo_trace(llm: object) -> None:
+    """Logit lens over the layers, then activation patching France -> Italy."""
+    top = lambda logits: llm.tokenizer.decode(int(logits.argmax()))  # noqa: E731
+    print("\n== trace: logit lens on 'The capital of France is' (top token per layer)")
+    with llm.trace("The capital of France is", max_tokens=1) as tr:
+        lens = [llm.unembed(layer.output[-1]).save() for layer in llm.layers]
+    print("  " + " | ".join(f"{i}:{top(t)!r}" for i, t in enumerate(lens) if i % 3 == 2))
+    print(f"  completion: {tr.outputs[0].text!r}")
+    layer = len(llm.layers) // 2
+    print(f"\n== trace: patch layers[{layer}].output[-1] from France into Italy")
+    with llm.trace(max_tokens=1) as tr:
+        with tr.invoke("The capital of France is"):
+            clean = llm.layers[layer].output[-1].save()
+        with tr.invoke("The capital of Italy is"):
+            llm.layers[layer].output[-1] = clean
+            patched = llm.logits.save()
+    print(f"  Italy prompt, patched: top token {top(patched)!r} (saved {tuple(clean.shape)})")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import vinterp
+    from vinterp.bench import harness, trace_invokes
+
+    llm = vinterp.LLM(args.model)
+    rows = [trace_invokes.run(llm, invokes=args.invokes, repeats=args.repeats)]
+    print(harness.header())
+    for row in rows:
+        print(row.line())
     llm.shutdown()
 
 
@@ -40,6 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     demo = commands.add_parser("demo", help="run the bundled model")
     demo.add_argument("--max-tokens", type=int, default=8)
     demo.set_defaults(run=_demo)
+    bench = commands.add_parser("bench", help="benchmarks against plain vLLM, same engine")
+    bench.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
+    bench.add_argument("--invokes", type=int, default=256)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
+from vinterp.api.trace import Trace
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 
@@ -53,6 +55,49 @@ class LLM:
             self._engine = VLLMEngine(
                 model, dtype, tensor_parallel_size, pipeline_parallel_size, **engine_kwargs
             )
+
+        self._trace: Trace | None = None
+        self.layers = Layers(self)
+        self.embed = SitePoint(self, "embed")
+        self.final_norm = ModulePoint(self, "final_norm", "final_norm")
+        self.lm_head = ModulePoint(self, "lm_head", "lm_head")
+        self.raw = RawPoint(self)
+
+    # -- tracing ----------------------------------------------------------------------------
+    def trace(self, prompt: Prompt | None = None, **sampling: Any) -> Trace:
+        """Record reads, writes and saves in the `with` body; run them at its exit."""
+        return Trace(self, prompt, **sampling)
+
+    def _begin_trace(self, trace: Trace) -> None:
+        if self._trace is not None:
+            raise RuntimeError("traces on one LLM cannot be nested")
+        self._trace = trace
+
+    def _end_trace(self, trace: Trace) -> None:
+        self._trace = None
+
+    def _active_trace(self) -> Trace:
+        if self._trace is None:
+            raise RuntimeError("site values exist only inside `with llm.trace(...):`")
+        return self._trace
+
+    def unembed(self, value: Any) -> Any:
+        """`lm_head(final_norm(value))` inside a trace: the logit lens."""
+        return self.lm_head(self.final_norm(value))
+
+    @property
+    def logits(self) -> Any:
+        """Logits used to sample this step's token, (1, V)."""
+        return self._active_trace()._read("logits")
+
+    @logits.setter
+    def logits(self, value: Any) -> None:
+        self._active_trace()._write("logits", value)
+
+    @property
+    def samples(self) -> Any:
+        """The token id sampled this step, (1,)."""
+        return self._active_trace()._read("samples")
 
     @property
     def engine(self) -> Any:

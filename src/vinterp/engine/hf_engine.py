@@ -8,6 +8,12 @@ from typing import Any
 import torch
 
 from vinterp.engine.outputs import Output
+from vinterp.ir.graph import Graph
+from vinterp.ir.plan import Plan
+from vinterp.runtime.executor import TraceResult, TraceRun
+from vinterp.sites.hf_hooks import install_hf_hooks
+from vinterp.sites.modules import find_site_modules, unhooked
+from vinterp.sites.raw import install_raw_hooks, raw_sites_of
 
 SUPPORTED_SAMPLING = {"temperature", "max_tokens", "seed", "ignore_eos", "stop_token_ids"}
 
@@ -22,6 +28,37 @@ class HFEngine:
         self.model.eval()
         self.tokenizer = tokenizer
         self.stop_ids = self._eos_ids()
+        self.sites = find_site_modules(self.model, self.model.config.model_type)
+        self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
+        install_hf_hooks(self.sites, self._at_site)
+
+    def _at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
+        if self._active is None:
+            return None
+        run, invoke, step = self._active
+        if not run.wants(invoke, site):
+            return None
+        return run.at_site(invoke, step, site, value)
+
+    def run_trace(self, graph: Graph, plan: Plan) -> TraceResult:
+        """Run each invoke alone, rounds in dependency order (the reference semantics)."""
+        functions = {
+            "final_norm": unhooked(self.sites.final_norm),
+            "lm_head": unhooked(self.sites.lm_head),
+        }
+        run = TraceRun(graph, plan, functions)
+        outputs: list[Output | None] = [None] * len(graph.invokes)
+        raw_hooks = install_raw_hooks(self.model, raw_sites_of(graph), self._at_site)
+        try:
+            for round_ in plan.rounds:
+                for k in round_:
+                    invoke = graph.invokes[k]
+                    self._check_sampling(invoke.sampling)
+                    outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, run, k)
+        finally:
+            for handle in raw_hooks:
+                handle.remove()
+        return TraceResult(outputs, run.results(), run.failure)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -31,16 +68,26 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[Output]:
         """Generate for token-id prompts, in order, with vLLM's stopping rules."""
+        self._check_sampling(sampling)
+        return [self._generate_one(ids, sampling) for ids in prompts]
+
+    @staticmethod
+    def _check_sampling(sampling: dict[str, Any]) -> None:
         unsupported = set(sampling) - SUPPORTED_SAMPLING
         if unsupported:
             raise ValueError(
                 f"backend='hf' does not support sampling options {sorted(unsupported)}; "
                 f"it supports {sorted(SUPPORTED_SAMPLING)}"
             )
-        return [self._generate_one(ids, sampling) for ids in prompts]
 
-    @torch.inference_mode()
-    def _generate_one(self, prompt: list[int], sampling: dict[str, Any]) -> Output:
+    @torch.no_grad()  # not inference_mode: saved tensors must work in autograd afterwards
+    def _generate_one(
+        self,
+        prompt: list[int],
+        sampling: dict[str, Any],
+        run: TraceRun | None = None,
+        invoke: int = 0,
+    ) -> Output:
         temperature = float(sampling.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(sampling.get("seed") or 0))
         stop = set() if sampling.get("ignore_eos") else set(self.stop_ids)
@@ -48,15 +95,22 @@ class HFEngine:
         tokens: list[int] = []
         cache = None
         step_input = torch.tensor([prompt])
-        for _ in range(int(sampling.get("max_tokens", 16))):
-            out = self.model(input_ids=step_input, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            logits = out.logits[0, -1].float()
-            if temperature == 0.0:
-                token = int(torch.argmax(logits))
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+        for step in range(int(sampling.get("max_tokens", 16))):
+            self._active = None if run is None else (run, invoke, step)
+            try:
+                out = self.model(input_ids=step_input, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[0, -1:].float()
+                replaced = self._at_site("logits", logits)
+                logits = logits if replaced is None else replaced
+                if temperature == 0.0:
+                    token = int(torch.argmax(logits))
+                else:
+                    probs = torch.softmax(logits[0] / temperature, dim=-1)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                self._at_site("samples", torch.tensor([token]))
+            finally:
+                self._active = None
             tokens.append(token)
             if token in stop:
                 break

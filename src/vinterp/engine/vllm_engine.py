@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
+from vinterp.engine.plugin import ENV_FLAG
+from vinterp.ir.graph import Graph
+from vinterp.ir.plan import Plan, PlanError
+from vinterp.ir.wire import to_wire
+from vinterp.runtime.executor import Failure, TraceResult
+from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
+
+# Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
+# older layout of them) is never reused for an engine that needs them.
+SITES_LAYOUT_VERSION = 1
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +44,15 @@ class VLLMEngine:
     ) -> None:
         import vllm
 
+        os.environ[ENV_FLAG] = "1"  # inherited by vLLM's processes: the plugin installs sites
         if _on_cpu():
             configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
         kwargs: dict[str, Any] = {
             "dtype": dtype,
             "enable_prefix_caching": False,  # DESIGN.md lesson 1: hooks would miss cached tokens
             "seed": 0,
+            "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
+            "additional_config": {"vinterp_sites": SITES_LAYOUT_VERSION},
         }
         kwargs.update(engine_kwargs)
         self.llm = vllm.LLM(
@@ -57,14 +72,40 @@ class VLLMEngine:
         results = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
         )
-        return [
-            Output(
-                prompt_token_ids=list(r.prompt_token_ids or []),
-                token_ids=list(r.outputs[0].token_ids),
-                text=r.outputs[0].text,
-            )
-            for r in results
-        ]
+        return [_to_output(r) for r in results]
+
+    def run_trace(self, graph: Graph, plan: Plan) -> TraceResult:
+        """Send the graph once, run the invokes round by round, collect saves and failure."""
+        import vllm
+
+        trace_id = uuid.uuid4().hex
+        errors = self.llm.collective_rpc("vinterp_begin", args=(trace_id, to_wire(graph)))
+        if any(errors):
+            self.llm.collective_rpc("vinterp_forget", args=(trace_id,))
+            raise PlanError(next(e for e in errors if e))
+        outputs: list[Output | None] = [None] * len(graph.invokes)
+        try:
+            for round_ in plan.rounds:
+                params = [
+                    vllm.SamplingParams(
+                        **graph.invokes[k].sampling,
+                        extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": k}},
+                    )
+                    for k in round_
+                ]
+                prompts = [{"prompt_token_ids": graph.invokes[k].prompt} for k in round_]
+                for k, result in zip(round_, self.llm.generate(prompts, params, use_tqdm=False)):
+                    outputs[k] = _to_output(result)
+        finally:
+            per_worker = self.llm.collective_rpc("vinterp_collect", args=(trace_id,))
+        # Every worker reports what it ran: TP ranks the same values, PP stages their own.
+        saved: dict[int, Any] = {}
+        failure = None
+        for collected in per_worker:
+            for node, value in collected["saved"].items():
+                saved.setdefault(int(node), decode_saved(value))
+            failure = failure or collected["failure"]
+        return TraceResult(outputs, saved, Failure(**failure) if failure else None)
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers; safe to call more than once."""
@@ -76,3 +117,11 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM engine shutdown raised", exc_info=True)
+
+
+def _to_output(result: Any) -> Output:
+    return Output(
+        prompt_token_ids=list(result.prompt_token_ids or []),
+        token_ids=list(result.outputs[0].token_ids),
+        text=result.outputs[0].text,
+    )

@@ -1,0 +1,118 @@
+"""`llm.embed`, `llm.layers[i].attn`, ...: attribute paths that name standardized sites.
+
+Reading `.output` / `.input` inside a trace records a read; assigning to them records a
+replacement write. Outside a trace they explain where to use them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vinterp.api.llm import LLM
+
+
+class SitePoint:
+    """A module position with `.input` and/or `.output` sites (e.g. `layers.3.mlp`)."""
+
+    def __init__(self, llm: LLM, prefix: str) -> None:
+        object.__setattr__(self, "_llm", llm)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def _site(self, which: str) -> str:
+        return f"{self._prefix}.{which}"
+
+    @property
+    def input(self) -> Any:
+        return self._llm._active_trace()._read(self._site("input"))
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        self._llm._active_trace()._write(self._site("input"), value)
+
+    @property
+    def output(self) -> Any:
+        return self._llm._active_trace()._read(self._site("output"))
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._llm._active_trace()._write(self._site("output"), value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        parts = ".input, .output" + (", .attn, .mlp" if self._prefix.count(".") == 1 else "")
+        raise AttributeError(f"{self._prefix} has no site {name!r}; it has {parts}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("input", "output"):
+            object.__setattr__(self, name, value)  # goes through the property setter
+        else:
+            raise AttributeError(f"cannot set {name!r} on {self._prefix}; set .input or .output")
+
+    def __repr__(self) -> str:
+        return f"<site {self._prefix}>"
+
+
+class ModulePoint(SitePoint):
+    """A site position that is also a function inside a trace (`llm.final_norm(x)`)."""
+
+    def __init__(self, llm: LLM, prefix: str, function: str) -> None:
+        super().__init__(llm, prefix)
+        object.__setattr__(self, "_function", function)
+
+    def __call__(self, value: Any) -> Any:
+        return self._llm._active_trace()._model_call(self._function, value)
+
+
+class Layer(SitePoint):
+    def __init__(self, llm: LLM, index: int) -> None:
+        super().__init__(llm, f"layers.{index}")
+        object.__setattr__(self, "attn", SitePoint(llm, f"layers.{index}.attn"))
+        object.__setattr__(self, "mlp", SitePoint(llm, f"layers.{index}.mlp"))
+
+
+class Layers:
+    """`llm.layers`: indexable like the model's layer list (negative indices count back)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    def __len__(self) -> int:
+        return int(self._llm.config.num_hidden_layers)
+
+    def __getitem__(self, index: int) -> Layer:
+        if not isinstance(index, int):
+            raise TypeError(f"layer index must be an int, got {type(index).__name__}")
+        if index < 0:
+            index += len(self)
+        return Layer(self._llm, index)  # out-of-range indices are reported at trace exit
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
+
+
+class RawPoint:
+    """`llm.raw.<module path>`: any engine module; `.input` / `.output` read it (save-only)."""
+
+    def __init__(self, llm: LLM, path: str = "") -> None:
+        object.__setattr__(self, "_llm", llm)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in ("input", "output"):
+            if not self._path:
+                raise AttributeError("name a module: llm.raw.<module path>.output")
+            return self._llm._active_trace()._read(f"raw.{self._path}.{name}")
+        return RawPoint(self._llm, f"{self._path}.{name}" if self._path else name)
+
+    def __getitem__(self, index: int) -> RawPoint:
+        return RawPoint(self._llm, f"{self._path}.{int(index)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("llm.raw sites are read-only; write a standardized site instead")
+
+    def __repr__(self) -> str:
+        return f"<raw module {self._path or '(root)'}>"

@@ -1,0 +1,31 @@
+"""Many invokes in one trace, each saving one layer's last token, against `llm.generate`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vinterp.bench.harness import Row, best_time
+
+TARGET = 1.3
+
+
+def run(llm: Any, invokes: int = 256, layer: int = 15, repeats: int = 3) -> Row:
+    prompts = [f"Fact number {i}: the capital of France is" for i in range(invokes)]
+
+    def plain() -> None:
+        llm.generate(prompts, max_tokens=1)
+
+    def traced() -> None:
+        with llm.trace(max_tokens=1) as tr:
+            saved = []
+            for prompt in prompts:
+                with tr.invoke(prompt):
+                    saved.append(llm.layers[layer].output[-1].save())
+        assert len(saved) == invokes and saved[0].shape == (llm.config.hidden_size,)
+
+    return Row(
+        f"trace: {invokes} invokes, save layers[{layer}].output[-1]",
+        best_time(plain, repeats),
+        best_time(traced, repeats),
+        TARGET,
+    )

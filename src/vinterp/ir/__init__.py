@@ -1,0 +1,1 @@
+"""The intervention graph: nodes, whitelisted ops, wire format, forward-order planning."""

@@ -1,0 +1,110 @@
+"""Forward-order planning: when each node can run, which invokes must run first, and where.
+
+Every value's producer site is known from the graph, so an impossible order (a write that
+needs a value the forward computes later) is found before anything is sent, and invokes that
+consume other invokes' values are put in later engine rounds instead of hoping the scheduler
+batches them together.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from vinterp.ir.graph import STEP_ZERO, Graph, node_inputs
+from vinterp.sites.names import RAW_POSITION, SiteOrder
+
+ANY_TIME = -1  # anchor of values that need no site (user tensors)
+FIRST_SITE = "embed.output"
+
+
+class PlanError(ValueError):
+    """A graph that cannot run in forward order; `line` is the user's file:line."""
+
+    def __init__(self, message: str, line: str = "", out_of_order: bool = False) -> None:
+        super().__init__(f"{line}: {message}" if line else message)
+        self.line = line
+        self.out_of_order = out_of_order
+
+
+@dataclass
+class Plan:
+    anchors: list[int]
+    rounds: list[list[int]]
+    schedule: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+
+
+def _same_step_context(graph: Graph, consumer: int, producer: int) -> bool:
+    """Whether the producer's value is made in the same forward step as the consumer runs."""
+    c, p = graph.nodes[consumer].block, graph.nodes[producer].block
+    if c == p:
+        return True
+    return p == STEP_ZERO and graph.blocks[c].contains(0)
+
+
+def make_plan(graph: Graph, sites: SiteOrder) -> Plan:
+    anchors: list[int] = []
+    depends_on: dict[int, set[int]] = defaultdict(set)
+    for node_id, node in enumerate(graph.nodes):
+        if node.kind == "const":
+            anchors.append(ANY_TIME)
+            continue
+        site_pos = sites[node.target] if node.kind in ("read", "write") else ANY_TIME
+        if site_pos == RAW_POSITION:
+            if node.kind == "write":
+                raise PlanError("llm.raw sites are read-only; write a standardized site", node.line)
+            anchors.append(RAW_POSITION)
+            continue
+        inputs_at = ANY_TIME
+        latest_input = None
+        for producer in node_inputs(node):
+            p_node = graph.nodes[producer]
+            if anchors[producer] == RAW_POSITION:
+                raise PlanError(
+                    "values of llm.raw sites can only be saved (index them after the trace)",
+                    node.line,
+                )
+            if p_node.block != STEP_ZERO and p_node.block != node.block:
+                raise PlanError(
+                    "a value from a tr.iter block can only be used inside that block "
+                    "(save it there to get one tensor per step)",
+                    node.line,
+                )
+            if p_node.invoke not in (-1, node.invoke):
+                if p_node.invoke > node.invoke:
+                    raise PlanError("an invoke cannot use a value of a later invoke", node.line)
+                depends_on[node.invoke].add(p_node.invoke)
+            if _same_step_context(graph, node_id, producer) and anchors[producer] > inputs_at:
+                inputs_at, latest_input = anchors[producer], producer
+        if node.kind == "write" and inputs_at > site_pos:
+            producer_site = sites.sites[inputs_at]
+            raise PlanError(
+                f"the write to {node.target} needs a value from {producer_site}, which the "
+                f"forward pass computes later (node {latest_input})",
+                node.line,
+                out_of_order=True,
+            )
+        anchors.append(max(site_pos, inputs_at))
+    plan = Plan(anchors=anchors, rounds=_rounds(len(graph.invokes), depends_on))
+    for node_id, node in enumerate(graph.nodes):
+        if node.kind in ("read", "write") or node_id in graph.saves:
+            if node.kind == "const":
+                continue
+            at = anchors[node_id]
+            if at == RAW_POSITION:
+                site = node.target
+            else:
+                site = FIRST_SITE if at == ANY_TIME else sites.sites[at]
+            plan.schedule.setdefault((node.invoke, site), []).append(node_id)
+    return plan
+
+
+def _rounds(num_invokes: int, depends_on: dict[int, set[int]]) -> list[list[int]]:
+    """Group invokes into engine rounds: an invoke runs after every invoke it consumes."""
+    level = [0] * num_invokes
+    for invoke in range(num_invokes):  # dependencies always point to earlier invokes
+        level[invoke] = max((level[d] + 1 for d in depends_on.get(invoke, ())), default=0)
+    rounds: list[list[int]] = [[] for _ in range(max(level, default=-1) + 1)]
+    for invoke, lv in enumerate(level):
+        rounds[lv].append(invoke)
+    return rounds

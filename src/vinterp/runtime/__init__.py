@@ -1,0 +1,1 @@
+"""Executing graphs inside a backend: site ops, per-request slices, saves."""

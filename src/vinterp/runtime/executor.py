@@ -1,0 +1,159 @@
+"""Runs a planned graph as the forward pass reaches each site; shared by every backend.
+
+A backend calls `TraceRun.at_site(invoke, step, site, value)` with the invoke's own slice of
+the site value; reads copy it (engines reuse buffers in place), writes return a replacement.
+Computed values are evaluated lazily when a write or a save needs them. An error stops the
+trace's interventions (the forward goes on unchanged) and is reported with the user's line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vinterp.ir.graph import STEP_ZERO, Graph, Node, decode_arg
+from vinterp.ir.ops import lookup
+from vinterp.ir.plan import Plan
+
+ModelFunctions = dict[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+@dataclass
+class Failure:
+    line: str
+    message: str
+    invoke: int
+    step: int
+
+
+@dataclass
+class TraceRun:
+    graph: Graph
+    plan: Plan
+    model_functions: ModelFunctions
+    values: dict[tuple[int, int], Any] = field(default_factory=dict)
+    saved: dict[int, Any] = field(default_factory=dict)
+    failure: Failure | None = None
+    max_steps: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.save_set = set(self.graph.saves)
+        self.sites_by_invoke: dict[int, list[str]] = {}
+        for invoke, site in self.plan.schedule:
+            self.sites_by_invoke.setdefault(invoke, []).append(site)
+        for k, inv in enumerate(self.graph.invokes):
+            self.max_steps[k] = int(inv.sampling.get("max_tokens", 16))
+
+    def _active(self, node: Node, step: int) -> bool:
+        if node.block == STEP_ZERO:
+            return step == 0
+        return self.graph.blocks[node.block].contains(step)
+
+    def _key(self, node_id: int, step: int) -> tuple[int, int]:
+        return (node_id, 0 if self.graph.nodes[node_id].block == STEP_ZERO else step)
+
+    def wants(self, invoke: int, site: str) -> bool:
+        return (invoke, site) in self.plan.schedule and self.failure is None
+
+    def at_site(self, invoke: int, step: int, site: str, value: torch.Tensor) -> torch.Tensor | None:
+        """Run the invoke's nodes scheduled at `site`; the replacement value, or None."""
+        if self.failure is not None or step >= self.max_steps.get(invoke, 0):
+            return None  # one step past the end (scheduler overrun) adds nothing
+        current, replaced = value, False
+        for node_id in self.plan.schedule.get((invoke, site), ()):
+            node = self.graph.nodes[node_id]
+            if not self._active(node, step):
+                continue
+            try:
+                if node.kind == "read":
+                    self.values[self._key(node_id, step)] = _copy(current)
+                elif node.kind == "write":
+                    current = self._write(node_id, node, current, step)
+                    replaced = True
+                if node_id in self.save_set:
+                    self._save(node_id, step)
+            except Exception as exc:  # reported to the caller, never kills the engine
+                self.failure = Failure(node.line, f"{type(exc).__name__}: {exc}", invoke, step)
+                return None
+        return current if replaced else None
+
+    def _write(self, node_id: int, node: Node, current: torch.Tensor, step: int) -> torch.Tensor:
+        new = self._arg(node.args[0], step)
+        if len(node.args) > 1:
+            index = decode_arg(node.args[1], lambda r: self.value(r, step))
+            out = current.clone()
+            out[index] = torch.as_tensor(new, dtype=out.dtype, device=out.device)
+        else:
+            new = torch.as_tensor(new, device=current.device)
+            if new.shape != current.shape:
+                try:
+                    new = torch.broadcast_to(new, current.shape)
+                except RuntimeError:
+                    raise ValueError(
+                        f"the write to {node.target} has shape {tuple(new.shape)}, "
+                        f"the site has shape {tuple(current.shape)}"
+                    ) from None
+            out = new.to(current.dtype).clone()
+        self.values[self._key(node_id, step)] = out
+        return out
+
+    def _arg(self, encoded: Any, step: int) -> Any:
+        return decode_arg(encoded, lambda r: self.value(r, step))
+
+    def value(self, node_id: int, step: int) -> Any:
+        """The value of a node at a step, computing call nodes on demand."""
+        key = self._key(node_id, step)
+        if key in self.values:
+            return self.values[key]
+        node = self.graph.nodes[node_id]
+        if node.kind == "const":
+            result = self.graph.tensors[node.args[0]]
+        elif node.kind == "call":
+            args = [self._arg(a, step) for a in node.args]
+            kwargs = {k: self._arg(v, step) for k, v in node.kwargs.items()}
+            if node.target.startswith("model."):
+                result = self.model_functions[node.target.removeprefix("model.")](*args, **kwargs)
+            else:
+                result = lookup(node.target)(*args, **kwargs)
+        else:
+            raise RuntimeError(
+                f"the value of {node.target} (invoke {node.invoke}, step {step}) is not "
+                "available here: the engine did not run it before this point"
+            )
+        self.values[key] = result
+        return result
+
+    def _save(self, node_id: int, step: int) -> None:
+        value = _copy(self.value(node_id, step), "cpu")
+        if self.graph.nodes[node_id].block == STEP_ZERO:
+            self.saved[node_id] = value
+        else:
+            self.saved.setdefault(node_id, {})[step] = value
+
+    def results(self) -> dict[int, Any]:
+        """Saved values: a tensor per node, or a list (one per step that ran) in blocks."""
+        return {
+            n: [v[s] for s in sorted(v)] if isinstance(v, dict) else v
+            for n, v in self.saved.items()
+        }
+
+
+def _copy(value: Any, device: str | None = None) -> Any:
+    """A detached copy (engines reuse activation buffers in place; DESIGN.md lesson 2)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    if isinstance(value, (tuple, list)):
+        return [_copy(v, device) for v in value]
+    return value
+
+
+@dataclass
+class TraceResult:
+    """What a backend returns for a trace: per-invoke outputs, saved values, a failure."""
+
+    outputs: list[Any]
+    saved: dict[int, Any]
+    failure: Failure | None

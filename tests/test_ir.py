@@ -1,0 +1,140 @@
+"""The graph, its wire format and forward-order planning, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vinterp.ir.graph import Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
+from vinterp.ir.plan import PlanError, make_plan
+from vinterp.ir.wire import WireError, from_wire, tensor_from_wire, tensor_to_wire, to_wire
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+
+SITES = SiteOrder(4)
+
+
+def _patching_graph() -> Graph:
+    """Invoke 0 reads layer 2's output; invoke 1 writes it into its own layer 2 output."""
+    g = Graph(invokes=[Invoke([1, 2, 3], {"max_tokens": 1}), Invoke([4, 5], {"max_tokens": 1})])
+    read = g.add(Node("read", "layers.2.output", [], {}, 0))
+    last = g.add(Node("call", "op.getitem", [ref(read), -1], {}, 0))
+    g.tensors.append(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    const = g.add(Node("const", "", [0], {}, -1))
+    scaled = g.add(Node("call", "op.mul", [ref(last), 2.0], {}, 1))
+    g.add(Node("write", "layers.2.output", [ref(scaled), {"slice": [None, None, None]}], {}, 1))
+    g.add(Node("call", "op.add", [ref(const), 1], {}, 1))
+    g.saves = [last, 5]
+    return g
+
+
+def test_wire_round_trip_is_exact() -> None:
+    graph = _patching_graph()
+    back = from_wire(to_wire(graph), SITES)
+    assert back.nodes == graph.nodes
+    assert back.saves == graph.saves
+    assert [i.prompt for i in back.invokes] == [[1, 2, 3], [4, 5]]
+    assert torch.equal(back.tensors[0], graph.tensors[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_tensor_wire_keeps_dtype_and_values(dtype) -> None:
+    t = (torch.arange(12) % 3).reshape(3, 4).to(dtype)
+    assert torch.equal(tensor_from_wire(tensor_to_wire(t)), t)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda w: w["nodes"][1].__setitem__(1, "os.system"), "not allowed"),
+        (lambda w: w["nodes"][1].__setitem__(2, [{"ref": 7}, -1]), "earlier node"),
+        (lambda w: w["nodes"][0].__setitem__(1, "layers.9.output"), "out of range"),
+        (lambda w: w["nodes"][0].__setitem__(0, "exec"), "unknown kind"),
+        (lambda w: w["tensors"][0].__setitem__("data", b"123"), "wrong length"),
+        (lambda w: w["tensors"][0].__setitem__("dtype", "object"), "not allowed"),
+        (lambda w: w["nodes"][1].__setitem__(2, [{"__reduce__": 1}]), "not a wire value"),
+        (lambda w: w.__setitem__("version", 99), "wire version"),
+    ],
+)
+def test_wire_rejects_what_is_not_allowed(mutate, message) -> None:
+    wire = to_wire(_patching_graph())
+    mutate(wire)
+    with pytest.raises((WireError, UnknownSiteError), match=message):
+        from_wire(wire, SITES)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=st.lists(st.lists(_json, min_size=7, max_size=7), max_size=4), tensors=st.lists(_json, max_size=2))
+def test_wire_fuzz_only_raises_clear_errors(nodes, tensors) -> None:
+    """Arbitrary data is either a valid graph or a WireError/UnknownSiteError, nothing else."""
+    try:
+        from_wire({"version": 1, "nodes": nodes, "tensors": tensors}, SITES)
+    except (WireError, UnknownSiteError):
+        pass
+
+
+@given(st.recursive(
+    st.none() | st.integers() | st.floats(allow_nan=False) | st.booleans(),
+    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+    | st.builds(slice, inner, inner, inner),
+    max_leaves=10,
+))
+def test_arguments_round_trip(value) -> None:
+    assert decode_arg(encode_arg(value, lambda obj: None), lambda r: None) == value
+
+
+def test_plan_orders_invokes_by_dependency() -> None:
+    plan = make_plan(_patching_graph(), SITES)
+    assert plan.rounds == [[0], [1]]
+    assert plan.schedule[(0, "layers.2.output")] == [0, 1]  # read, then the saved getitem
+    assert plan.schedule[(1, "layers.2.output")] == [4]
+    assert plan.schedule[(1, "embed.output")] == [5]  # needs only a user tensor
+
+
+def test_plan_without_cross_invoke_values_is_one_round() -> None:
+    g = Graph(invokes=[Invoke([1], {}), Invoke([2], {})])
+    g.add(Node("read", "layers.1.output", [], {}, 0))
+    g.add(Node("read", "layers.1.output", [], {}, 1))
+    assert make_plan(g, SITES).rounds == [[0, 1]]
+
+
+def test_plan_rejects_write_from_later_site() -> None:
+    g = Graph(invokes=[Invoke([1], {})])
+    late = g.add(Node("read", "layers.3.mlp.output", [], {}, 0, line="user.py:7"))
+    g.add(Node("write", "layers.1.output", [ref(late)], {}, 0, line="user.py:8"))
+    with pytest.raises(PlanError, match=r"user.py:8: the write to layers.1.output needs a value "
+                       r"from layers.3.mlp.output") as info:
+        make_plan(g, SITES)
+    assert info.value.out_of_order
+
+
+def test_plan_allows_earlier_step_value_in_later_steps() -> None:
+    g = Graph(invokes=[Invoke([1], {"max_tokens": 4})], blocks=[Block(1, 3)])
+    late = g.add(Node("read", "layers.3.output", [], {}, 0))  # step 0
+    g.add(Node("write", "layers.0.output", [ref(late)], {}, 0, block=0))  # steps 1..2
+    assert make_plan(g, SITES).rounds == [[0]]
+
+
+def test_plan_rejects_block_value_outside_block() -> None:
+    g = Graph(invokes=[Invoke([1], {})], blocks=[Block(1, 3)])
+    inside = g.add(Node("read", "layers.3.output", [], {}, 0, block=0))
+    g.add(Node("call", "op.mul", [ref(inside), 2], {}, 0))
+    with pytest.raises(PlanError, match="tr.iter block"):
+        make_plan(g, SITES)
+
+
+def test_site_order_and_globs() -> None:
+    assert SITES["embed.output"] < SITES["layers.0.input"] < SITES["layers.0.attn.input"]
+    assert SITES["layers.0.mlp.output"] < SITES["layers.0.output"] < SITES["layers.1.input"]
+    assert SITES["layers.3.output"] < SITES["final_norm.output"] < SITES["logits"]
+    assert SITES.expand("layers.*.output") == [f"layers.{i}.output" for i in range(4)]
+    with pytest.raises(UnknownSiteError, match="unknown site 'layers.1.resid'"):
+        SITES["layers.1.resid"]

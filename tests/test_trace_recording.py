@@ -1,0 +1,76 @@
+"""Recording a trace (symbolic values, shapes, rebinding, static errors) on the HF backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vinterp
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def llm(engines, tiny_llama):
+    return engines.hf(tiny_llama)
+
+
+def test_shapes_are_known_while_recording(llm) -> None:
+    tokens = len(llm.tokenizer(PROMPT).input_ids)
+    with llm.trace(PROMPT, max_tokens=1):
+        hidden = llm.layers[0].output
+        assert hidden.shape == (tokens, 256) and len(hidden) == tokens
+        assert (hidden[-1] @ torch.ones(256, 3)).shape == (3,)
+        assert llm.logits.shape == (1, 512)
+        assert torch.softmax(llm.logits, dim=-1).topk(2).values.shape == (1, 2)
+
+
+def test_saves_replace_stand_ins_in_containers(llm) -> None:
+    with llm.trace(PROMPT, max_tokens=1):
+        nested = {"layers": [llm.layers[i].output.save() for i in range(2)]}
+        pair = (llm.embed.output.save(), 3)
+        unsaved = llm.layers[1].mlp.output
+    assert all(isinstance(t, torch.Tensor) for t in nested["layers"])
+    assert isinstance(pair[0], torch.Tensor) and pair[1] == 3
+    assert isinstance(unsaved, vinterp.api.values.Value)
+    nested["layers"][0].requires_grad_()  # plain tensors, usable with autograd
+
+
+def test_values_cannot_drive_python_control_flow(llm) -> None:
+    with pytest.raises(TypeError, match=r"test_trace_recording.py:\d+: iteration of a traced"):
+        with llm.trace(PROMPT, max_tokens=1):
+            for _ in llm.layers[0].output:
+                pass
+    with pytest.raises(TypeError, match="float"):
+        with llm.trace(PROMPT, max_tokens=1):
+            float(llm.logits.max())
+
+
+def test_structural_errors(llm) -> None:
+    with pytest.raises(vinterp.TraceError, match="needs a prompt"):
+        with llm.trace(max_tokens=1):
+            pass
+    with pytest.raises(vinterp.TraceError, match="must be inside"):
+        with llm.trace(max_tokens=1) as tr:
+            llm.layers[0].output.save()
+            with tr.invoke(PROMPT):
+                pass
+    with pytest.raises(vinterp.TraceError, match="cannot be nested"):
+        with llm.trace(PROMPT, max_tokens=2) as tr:
+            for _ in tr.iter[0:2]:
+                for _ in tr.iter[1]:
+                    pass
+    with pytest.raises(RuntimeError, match="only inside"):
+        llm.layers[0].output  # noqa: B018
+    with pytest.raises(TypeError, match="cannot be used inside a trace"):
+        with llm.trace(PROMPT, max_tokens=1):
+            torch.nn.functional.dropout(llm.layers[0].output)
+
+
+def test_same_tensor_is_sent_once(llm) -> None:
+    direction = torch.randn(256)
+    with llm.trace(max_tokens=1) as tr:
+        for prompt in (PROMPT, "Once upon a time", "Numbers 1 2 3"):
+            with tr.invoke(prompt):
+                llm.layers[1].output = llm.layers[1].output + direction
+    assert len(tr.graph.tensors) == 1
