@@ -37,5 +37,5 @@ def test_token_id_prompts_and_defaults(engines, vllm_outputs) -> None:
 
 
 def test_bad_prompt_type_is_named(engines) -> None:
-    with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
+    with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
         engines.vllm().generate([3.5])

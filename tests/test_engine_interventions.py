@@ -155,8 +155,11 @@ def test_static_errors_before_running(backends) -> None:
 
 def test_runtime_error_names_line_and_engine_keeps_serving(backends) -> None:
     llm = backends["vllm"]
-    with pytest.raises(vinterp.InterventionError, match=r"test_engine_interventions.py:\d+: "
-                       r"RuntimeError.*invoke 0") as info:
+    with pytest.raises(
+        vinterp.InterventionError,
+        match=r"test_engine_interventions.py:\d+: "
+        r"RuntimeError.*invoke 0",
+    ) as info:
         with llm.trace(max_tokens=2) as tr:
             with tr.invoke(FRANCE):
                 torch.multinomial(llm.logits * 0 - 1.0, 1).save()

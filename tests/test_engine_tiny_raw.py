@@ -48,6 +48,6 @@ def test_raw_errors_are_named(eager) -> None:
     with pytest.raises(AttributeError, match="read-only"):
         with eager.trace(PROMPTS[0], max_tokens=1):
             eager.raw.model.layers[1].mlp.output = 0
-    with eager.trace(PROMPTS[0], max_tokens=1) as tr:
+    with eager.trace(PROMPTS[0], max_tokens=1):
         ok = eager.layers[1].output.save()
     assert ok.shape == (len(eager.tokenizer(PROMPTS[0]).input_ids), 256)

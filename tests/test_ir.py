@@ -66,13 +66,18 @@ def test_wire_rejects_what_is_not_allowed(mutate, message) -> None:
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=30,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(nodes=st.lists(st.lists(_json, min_size=7, max_size=7), max_size=4), tensors=st.lists(_json, max_size=2))
+@given(
+    nodes=st.lists(st.lists(_json, min_size=7, max_size=7), max_size=4),
+    tensors=st.lists(_json, max_size=2),
+)
 def test_wire_fuzz_only_raises_clear_errors(nodes, tensors) -> None:
     """Arbitrary data is either a valid graph or a WireError/UnknownSiteError, nothing else."""
     try:
@@ -81,12 +86,17 @@ def test_wire_fuzz_only_raises_clear_errors(nodes, tensors) -> None:
         pass
 
 
-@given(st.recursive(
-    st.none() | st.integers() | st.floats(allow_nan=False) | st.booleans(),
-    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
-    | st.builds(slice, inner, inner, inner),
-    max_leaves=10,
-))
+@given(
+    st.recursive(
+        st.none() | st.integers() | st.floats(allow_nan=False) | st.booleans(),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.tuples(inner, inner)
+            | st.builds(slice, inner, inner, inner)
+        ),
+        max_leaves=10,
+    )
+)
 def test_arguments_round_trip(value) -> None:
     assert decode_arg(encode_arg(value, lambda obj: None), lambda r: None) == value
 
@@ -110,8 +120,11 @@ def test_plan_rejects_write_from_later_site() -> None:
     g = Graph(invokes=[Invoke([1], {})])
     late = g.add(Node("read", "layers.3.mlp.output", [], {}, 0, line="user.py:7"))
     g.add(Node("write", "layers.1.output", [ref(late)], {}, 0, line="user.py:8"))
-    with pytest.raises(PlanError, match=r"user.py:8: the write to layers.1.output needs a value "
-                       r"from layers.3.mlp.output") as info:
+    with pytest.raises(
+        PlanError,
+        match=r"user.py:8: the write to layers.1.output needs a value "
+        r"from layers.3.mlp.output",
+    ) as info:
         make_plan(g, SITES)
     assert info.value.out_of_order
 

@@ -56,9 +56,10 @@ def test_tiny_is_cached_by_config_and_deterministic(tmp_path, monkeypatch) -> No
     monkeypatch.setenv("VINTERP_CACHE_DIR", str(tmp_path))
     rebuilt = vinterp.models.tiny("llama")
     assert rebuilt.parent == tmp_path
-    with safe_open(first / "model.safetensors", "pt") as a, safe_open(
-        rebuilt / "model.safetensors", "pt"
-    ) as b:
+    with (
+        safe_open(first / "model.safetensors", "pt") as a,
+        safe_open(rebuilt / "model.safetensors", "pt") as b,
+    ):
         for key in a.keys():
             assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
 

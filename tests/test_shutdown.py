@@ -49,7 +49,7 @@ def test_script_exit_leaves_no_workers(engines, tmp_path) -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("CHILDREN"))
+    line = next(row for row in done.stdout.splitlines() if row.startswith("CHILDREN"))
     pids = [int(p) for p in line.split()[1:]]
     assert len(pids) >= 3  # engine core + two workers
     assert _wait_gone(pids) == []

@@ -3,10 +3,14 @@
 from vinterp import models
 from vinterp.api import LLM
 from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
+from vinterp.api.specs import Capture, Request, Steering
 from vinterp.engine.outputs import Output
 
 __all__ = [
+    "Capture",
     "LLM",
+    "Request",
+    "Steering",
     "InterventionError",
     "OutOfOrderError",
     "Output",

@@ -29,6 +29,7 @@ def _demo(args: argparse.Namespace) -> None:
     for prompt, out in zip(DEMO_PROMPTS, outputs):
         print(f"{prompt!r} -> {out.text!r}")
     _demo_trace(llm)
+    _demo_steer_and_capture(llm)
     llm.shutdown()
 
 
@@ -53,29 +54,53 @@ def _demo_trace(llm: object) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     import vinterp
-    from vinterp.bench import harness, trace_invokes
+    from vinterp.bench import fastpath, harness, trace_invokes
 
-    llm = vinterp.LLM(args.model)
-    rows = [trace_invokes.run(llm, invokes=args.invokes, repeats=args.repeats)]
+    model = args.model or vinterp.models.bundled()
+    rows = fastpath.run(
+        model, prompts=args.prompts, max_tokens=args.max_tokens, repeats=args.repeats
+    )
+    llm = vinterp.LLM(model)
+    rows.append(trace_invokes.run(llm, invokes=args.invokes, repeats=args.repeats))
+    llm.shutdown()
     print(harness.header())
     for row in rows:
         print(row.line())
-    llm.shutdown()
+
+
+def _demo_steer_and_capture(llm: object) -> None:
+    """A steering vector from a contrast of two prompts, then a capture for a probe."""
+    import vinterp
+
+    layer = 10
+    cap = vinterp.Capture(f"layers.{layer}.output", positions="last_prompt")
+    happy, sad = llm.generate(
+        ["I feel wonderful and happy", "I feel terrible and sad"], max_tokens=1, capture=cap
+    )
+    site = f"layers.{layer}.output"
+    direction = happy.captures[site][0] - sad.captures[site][0]
+    print(f"\n== capture: {site} at the last prompt token -> {tuple(happy.captures[site].shape)}")
+    steering = vinterp.Steering({site: direction}, scale=4.0)
+    prompt = "Today the weather is"
+    plain, steered = (llm.generate(prompt, max_tokens=12, steering=s)[0] for s in (None, steering))
+    print(f"== steering {site} with (happy - sad) x 4:")
+    print(f"  plain:   {prompt}{plain.text!r}")
+    print(f"  steered: {prompt}{steered.text!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `vinterp` console script."""
     parser = argparse.ArgumentParser(prog="vinterp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("prepare", help="convert the bundled model once").set_defaults(
-        run=_prepare
-    )
+    commands.add_parser("prepare", help="convert the bundled model once").set_defaults(run=_prepare)
     demo = commands.add_parser("demo", help="run the bundled model")
     demo.add_argument("--max-tokens", type=int, default=8)
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="benchmarks against plain vLLM, same engine")
     bench.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
     bench.add_argument("--invokes", type=int, default=256)
+    bench.add_argument("--prompts", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
     bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)

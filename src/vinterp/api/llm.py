@@ -6,9 +6,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
+from vinterp.api.fast import deliver, prepare
+from vinterp.api.fast_trace import generate_with_trace
+from vinterp.api.specs import Capture, Request, Steering
+from vinterp.api.steering_control import SteeringControl
 from vinterp.api.trace import Trace
 from vinterp.engine.outputs import Output
-from vinterp.engine.sampling import sampling_kwargs
+from vinterp.sites.modules import check_site_paths
 
 Prompt = str | list[int]
 BACKENDS = ("vllm", "hf")
@@ -19,7 +23,9 @@ class LLM:
 
     `model` is a local HF checkpoint directory (or a hub id where a hub is reachable); None is
     the bundled SmolLM2-135M-Instruct. The dtype defaults to the checkpoint's own on both
-    backends, so the engine and the reference compute in the same precision.
+    backends, so the engine and the reference compute in the same precision. `sites` maps
+    site keys (embed, layers, final_norm, lm_head, attn, mlp) to module paths for models
+    whose modules are named differently from the supported families.
     """
 
     def __init__(
@@ -28,6 +34,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         backend: Literal["vllm", "hf"] = "vllm",
+        sites: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -42,18 +49,19 @@ class LLM:
         self.backend = backend
         self.config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        check_site_paths(self.config.model_type, sites)  # before any engine starts
         dtype = engine_kwargs.pop("dtype", None) or _checkpoint_dtype(self.config)
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
             from vinterp.engine.hf_engine import HFEngine
 
-            self._engine = HFEngine(Path(model), dtype, self.tokenizer, **engine_kwargs)
+            self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)
         else:
             from vinterp.engine.vllm_engine import VLLMEngine
 
             self._engine = VLLMEngine(
-                model, dtype, tensor_parallel_size, pipeline_parallel_size, **engine_kwargs
+                model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
             )
 
         self._trace: Trace | None = None
@@ -62,6 +70,7 @@ class LLM:
         self.final_norm = ModulePoint(self, "final_norm", "final_norm")
         self.lm_head = ModulePoint(self, "lm_head", "lm_head")
         self.raw = RawPoint(self)
+        self.steering = SteeringControl(self)
 
     # -- tracing ----------------------------------------------------------------------------
     def trace(self, prompt: Prompt | None = None, **sampling: Any) -> Trace:
@@ -104,9 +113,37 @@ class LLM:
         """The underlying `vllm.LLM` (or transformers model with backend='hf')."""
         return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
 
-    def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[Output]:
-        """Complete each prompt; sampling options are vLLM's (greedy, 16 tokens by default)."""
-        return self._engine.generate(self._tokenize(prompts), sampling_kwargs(sampling))
+    def generate(
+        self,
+        prompts: Prompt | Request | list[Prompt | Request],
+        steering: Steering | str | list[Steering | str] | None = None,
+        capture: Capture | None = None,
+        **sampling: Any,
+    ) -> list[Output]:
+        """Complete each prompt, optionally steered and captured (API.md section 5).
+
+        Sampling options are vLLM's (greedy, 16 tokens by default). Specs are checked against
+        the model before anything is queued."""
+        requests = prepare(self, prompts, steering, capture, sampling)
+        fast = any(r.extra_args() for r in requests)
+        if self.backend == "hf" and (fast or self.steering.active):
+            return generate_with_trace(self, requests)
+        if not fast:
+            return self._engine.generate(
+                [r.prompt for r in requests], [r.sampling for r in requests]
+            )
+        outputs = self._engine.generate(
+            [r.prompt for r in requests],
+            [r.sampling for r in requests],
+            [r.extra_args() for r in requests],
+        )
+        captured = [r for r in requests if r.capture is not None]
+        if captured:
+            rows = self._engine.take_captures([r.capture_id for r in captured])
+            for k, req in enumerate(requests):
+                if req.capture is not None:
+                    deliver(req, outputs[k], rows.get(req.capture_id, {}), k, str(self.model_path))
+        return outputs
 
     def _tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
         if isinstance(prompts, str) or (

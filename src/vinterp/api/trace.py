@@ -87,10 +87,16 @@ class Trace:
         (ids,) = self._llm._tokenize(prompt)
         self.graph.invokes.append(Invoke(ids, sampling_kwargs({**self._sampling, **sampling})))
         self._invoke = len(self.graph.invokes) - 1
+        if self._llm.backend == "hf":  # vLLM workers apply the global steering themselves
+            from vinterp.api.fast_trace import record_steering
+
+            for spec in self._llm.steering.active:
+                record_steering(self._llm, self, spec, len(ids))
 
     # -- recording --------------------------------------------------------------------------
-    def _add(self, kind: str, target: str, args: list[Any], kwargs: dict[str, Any],
-             invoke: int) -> int:
+    def _add(
+        self, kind: str, target: str, args: list[Any], kwargs: dict[str, Any], invoke: int
+    ) -> int:
         node = Node(kind, target, args, kwargs, invoke, self._block, _user_line())
         return self.graph.add(node)
 
@@ -157,8 +163,10 @@ class Trace:
                 else:
                     site_meta.clone()[index_meta] = value_meta
             except (RuntimeError, IndexError) as exc:
-                self._record_error(f"the write to {site} does not fit the site's shape "
-                                   f"{tuple(site_meta.shape)}: {exc}")
+                self._record_error(
+                    f"the write to {site} does not fit the site's shape "
+                    f"{tuple(site_meta.shape)}: {exc}"
+                )
         node = self._add("write", site, args, {}, invoke)
         self._metas[node] = site_meta
         return node
@@ -180,8 +188,10 @@ class Trace:
         meta = self._infer_meta(name, args, kwargs)
         if isinstance(meta, tuple):  # e.g. topk -> (values, indices): one value per item
             self._metas[node] = None
-            items = [self._call("op.getitem", (Value(self, node, None, None), i), {})
-                     for i in range(len(meta))]
+            items = [
+                self._call("op.getitem", (Value(self, node, None, None), i), {})
+                for i in range(len(meta))
+            ]
             for item, item_meta in zip(items, meta):
                 item._meta = self._metas[item._node] = item_meta
             return type(meta)(items) if type(meta) is not tuple else tuple(items)
@@ -253,7 +263,8 @@ class Trace:
         self.outputs = result.outputs
         if result.failure is not None:
             f = result.failure
-            raise InterventionError(f"{f.line}: {f.message} (invoke {f.invoke}, step {f.step})")
+            where = f"{f.line}: " if f.line else ""
+            raise InterventionError(f"{where}{f.message} (invoke {f.invoke}, step {f.step})")
         replacements = {}
         for value, node in self._saved.values():
             in_block = self.graph.nodes[node].block != STEP_ZERO

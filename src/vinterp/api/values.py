@@ -110,7 +110,9 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", 
 for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
     setattr(Value, f"__{_op}__", _binary(_op))
 for _op in ("neg", "pos", "abs", "invert"):
-    setattr(Value, f"__{_op}__", (lambda o: lambda self: self._trace._call(f"op.{o}", (self,), {}))(_op))
+    setattr(
+        Value, f"__{_op}__", (lambda o: lambda self: self._trace._call(f"op.{o}", (self,), {}))(_op)
+    )
 Value.__getitem__ = lambda self, index: self._trace._call("op.getitem", (self, index), {})  # type: ignore[method-assign]
 Value.__hash__ = object.__hash__  # type: ignore[method-assign]
 

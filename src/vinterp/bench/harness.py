@@ -20,8 +20,10 @@ class Row:
 
     def line(self) -> str:
         verdict = "ok" if self.ratio <= self.target else "OVER TARGET"
-        return (f"{self.name:<44} {self.baseline_s:8.3f} s {self.vinterp_s:8.3f} s "
-                f"{self.ratio:6.2f}x  (target <= {self.target:.2f}x) {verdict}")
+        return (
+            f"{self.name:<44} {self.baseline_s:8.3f} s {self.vinterp_s:8.3f} s "
+            f"{self.ratio:6.2f}x  (target <= {self.target:.2f}x) {verdict}"
+        )
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:

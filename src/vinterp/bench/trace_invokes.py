@@ -24,7 +24,7 @@ def run(llm: Any, invokes: int = 256, layer: int = 15, repeats: int = 3) -> Row:
         assert len(saved) == invokes and saved[0].shape == (llm.config.hidden_size,)
 
     return Row(
-        f"trace: {invokes} invokes, save layers[{layer}].output[-1]",
+        f"trace {invokes} invokes, save layers[{layer}][-1] (vs generate)",
         best_time(plain, repeats),
         best_time(traced, repeats),
         TARGET,

@@ -21,14 +21,21 @@ SUPPORTED_SAMPLING = {"temperature", "max_tokens", "seed", "ignore_eos", "stop_t
 class HFEngine:
     """One prompt at a time with a KV cache: slow, but every step is plain transformers."""
 
-    def __init__(self, model: Path, dtype: str, tokenizer: Any, **model_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Path,
+        dtype: str,
+        tokenizer: Any,
+        site_paths: dict[str, str] | None = None,
+        **model_kwargs: Any,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, **model_kwargs)
         self.model.eval()
         self.tokenizer = tokenizer
         self.stop_ids = self._eos_ids()
-        self.sites = find_site_modules(self.model, self.model.config.model_type)
+        self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
         install_hf_hooks(self.sites, self._at_site)
 
@@ -66,10 +73,17 @@ class HFEngine:
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return {i for i in ids if i is not None}
 
-    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[Output]:
+    def generate(self, prompts: list[list[int]], sampling: list[dict[str, Any]]) -> list[Output]:
         """Generate for token-id prompts, in order, with vLLM's stopping rules."""
-        self._check_sampling(sampling)
-        return [self._generate_one(ids, sampling) for ids in prompts]
+        for s in sampling:
+            self._check_sampling(s)
+        return [self._generate_one(ids, s) for ids, s in zip(prompts, sampling)]
+
+    def set_global_steering(self, specs: list[Any]) -> None:
+        """Nothing to send: on HF, steering is recorded into each trace (api.fast_trace)."""
+
+    def register_steering(self, name: str, spec: Any | None) -> None:
+        """Nothing to send: named steerings are resolved on the client."""
 
     @staticmethod
     def _check_sampling(sampling: dict[str, Any]) -> None:

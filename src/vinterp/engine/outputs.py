@@ -15,3 +15,4 @@ class Output:
     token_ids: list[int]
     text: str
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
+    capture_file: str | None = None

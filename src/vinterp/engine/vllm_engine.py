@@ -12,6 +12,7 @@ from typing import Any
 from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
 from vinterp.engine.plugin import ENV_FLAG
+from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.ir.wire import to_wire
@@ -40,6 +41,7 @@ class VLLMEngine:
         dtype: str,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        site_paths: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         import vllm
@@ -52,7 +54,10 @@ class VLLMEngine:
             "enable_prefix_caching": False,  # DESIGN.md lesson 1: hooks would miss cached tokens
             "seed": 0,
             "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
-            "additional_config": {"vinterp_sites": SITES_LAYOUT_VERSION},
+            "additional_config": {
+                "vinterp_sites": SITES_LAYOUT_VERSION,
+                "vinterp_site_paths": site_paths or {},
+            },
         }
         kwargs.update(engine_kwargs)
         self.llm = vllm.LLM(
@@ -64,15 +69,39 @@ class VLLMEngine:
         self._closed = False
         atexit.register(self.shutdown)
 
-    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[Output]:
-        """Generate for token-id prompts, in order."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[dict[str, Any]],
+        fast: list[dict[str, Any] | None] | None = None,
+    ) -> list[Output]:
+        """Generate for token-id prompts, in order; `fast` carries steering/capture data."""
         import vllm
 
-        params = vllm.SamplingParams(**sampling)
+        fast = fast or [None] * len(prompts)
+        params = [
+            vllm.SamplingParams(**s, extra_args={FAST_KEY: f} if f else None)
+            for s, f in zip(sampling, fast)
+        ]
         results = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
         )
         return [_to_output(r) for r in results]
+
+    def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Captured rows per capture id and site, merged over workers (PP stages differ)."""
+        merged: dict[str, dict[str, Any]] = {}
+        for per_worker in self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,)):
+            for capture_id, sites in per_worker.items():
+                merged.setdefault(capture_id, {}).update(sites)
+        return merged
+
+    def set_global_steering(self, specs: list[Any]) -> None:
+        self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in specs],))
+
+    def register_steering(self, name: str, spec: Any | None) -> None:
+        wire = None if spec is None else spec.to_wire()
+        self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
 
     def run_trace(self, graph: Graph, plan: Plan) -> TraceResult:
         """Send the graph once, run the invokes round by round, collect saves and failure."""

@@ -23,10 +23,19 @@ RUNTIME_ATTR = "_vinterp_runtime"
 def install_on_runner(runner: Any) -> None:
     config = runner.model_config.hf_config
     model = runner.model
-    modules = find_site_modules(model, config.model_type)
+    overrides = (runner.vllm_config.additional_config or {}).get("vinterp_site_paths")
+    modules = find_site_modules(model, config.model_type, overrides)
     order = SiteOrder(int(config.num_hidden_layers))
     install_vllm_sites(modules, order)
-    runtime = WorkerRuntime(runner, modules, order, int(config.vocab_size))
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    runtime = WorkerRuntime(
+        runner,
+        modules,
+        order,
+        int(config.vocab_size),
+        captures_here=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
+    )
     model.register_forward_pre_hook(lambda module, args: runtime.begin_step())
     compute_logits = model.compute_logits
 
@@ -44,11 +53,24 @@ def install_on_runner(runner: Any) -> None:
 class VinterpWorkerExtension:
     """Methods vLLM adds to its worker class; called with `llm.collective_rpc(name, ...)`."""
 
-    def vinterp_begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
-        return getattr(self.model_runner, RUNTIME_ATTR).begin(trace_id, wire)  # type: ignore[attr-defined]
+    @property
+    def _vinterp(self) -> WorkerRuntime:
+        return getattr(self.model_runner, RUNTIME_ATTR)  # type: ignore[attr-defined]
 
-    def vinterp_forget(self, trace_id: str) -> None:
-        getattr(self.model_runner, RUNTIME_ATTR).forget(trace_id)  # type: ignore[attr-defined]
+    def vinterp_begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
+        return self._vinterp.begin(trace_id, wire)
 
     def vinterp_collect(self, trace_id: str) -> dict[str, Any]:
-        return getattr(self.model_runner, RUNTIME_ATTR).collect(trace_id)  # type: ignore[attr-defined]
+        return self._vinterp.collect(trace_id)
+
+    def vinterp_forget(self, trace_id: str) -> None:
+        self._vinterp.forget(trace_id)
+
+    def vinterp_set_steering(self, wires: list[dict[str, Any]]) -> None:
+        self._vinterp.fast.set_global(wires)
+
+    def vinterp_register_steering(self, name: str, wire: dict[str, Any] | None) -> None:
+        self._vinterp.fast.register(name, wire)
+
+    def vinterp_take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
+        return self._vinterp.fast.take_captures(capture_ids)

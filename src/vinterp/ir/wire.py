@@ -18,8 +18,13 @@ from vinterp.sites.names import SiteOrder
 
 WIRE_VERSION = 1
 DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
 }
 _ARG_KEYS = ({"ref"}, {"slice"}, {"ellipsis"}, {"dtype"}, {"list", "items"}, {"tuple", "items"})
 MAX_NODES = 1_000_000

@@ -26,20 +26,30 @@ features for probes and sparse autoencoders. Numbers 0 1 2 3 4 5 6 7 8 9 10 100 
 def hello(world): return world + 1  # code, too
 """
 
+# A small pre-norm decoder; every architecture below starts from it.
+_DECODER: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def _arch(model_type: str, architecture: str, **extra: Any) -> dict[str, Any]:
+    return {"model_type": model_type, "architectures": [architecture], **_DECODER, **extra}
+
+
 _BASE_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-    },
+    "llama": _arch("llama", "LlamaForCausalLM"),
+    "mistral": _arch("mistral", "MistralForCausalLM", sliding_window=None),
+    "qwen2": _arch("qwen2", "Qwen2ForCausalLM", use_sliding_window=False),
+    "qwen3": _arch("qwen3", "Qwen3ForCausalLM", use_sliding_window=False),
+    "phi3": _arch("phi3", "Phi3ForCausalLM", original_max_position_embeddings=512),
 }
 
 ARCHITECTURES = tuple(_BASE_CONFIGS)

@@ -58,7 +58,9 @@ class TraceRun:
     def wants(self, invoke: int, site: str) -> bool:
         return (invoke, site) in self.plan.schedule and self.failure is None
 
-    def at_site(self, invoke: int, step: int, site: str, value: torch.Tensor) -> torch.Tensor | None:
+    def at_site(
+        self, invoke: int, step: int, site: str, value: torch.Tensor
+    ) -> torch.Tensor | None:
         """Run the invoke's nodes scheduled at `site`; the replacement value, or None."""
         if self.failure is not None or step >= self.max_steps.get(invoke, 0):
             return None  # one step past the end (scheduler overrun) adds nothing

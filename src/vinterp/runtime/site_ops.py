@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
-StreamHandler = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+StreamHandler = Callable[
+    [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None
+]
 
 
 class _Handlers:

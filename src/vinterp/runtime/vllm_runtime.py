@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from vinterp.fastpath.specs import FAST_KEY
+from vinterp.fastpath.tables import RowSpan
+from vinterp.fastpath.worker import FastPath
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.ir.wire import WireError, from_wire, tensor_from_wire, tensor_to_wire
 from vinterp.runtime import site_ops
@@ -38,7 +41,12 @@ class Slot:
 
 class WorkerRuntime:
     def __init__(
-        self, runner: Any, modules: SiteModules, order: SiteOrder, vocab_size: int
+        self,
+        runner: Any,
+        modules: SiteModules,
+        order: SiteOrder,
+        vocab_size: int,
+        captures_here: bool = True,
     ) -> None:
         self.runner = runner
         self.order = order
@@ -51,6 +59,7 @@ class WorkerRuntime:
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
         self.num_tokens = 0
         self.raw_hooks: dict[str, list[Any]] = {}
+        self.fast = FastPath(order, captures_here=captures_here)
         site_ops.HANDLERS.site = self.on_site
         site_ops.HANDLERS.stream = self.on_stream
 
@@ -93,40 +102,54 @@ class WorkerRuntime:
 
     # -- per step -----------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Map this step's traced requests to their rows (called before each forward)."""
+        """Map this step's requests to their rows (called before each forward)."""
         self.slots, self.wanted = [], {}
-        self.num_tokens = 0
-        if not self.traces:
-            return
         runner = self.runner
         num_reqs = runner.input_batch.num_reqs
         offsets = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
         self.num_tokens = offsets[-1]
+        fast_requests = []
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
             state = runner.requests[req_id]
-            extra = (state.sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
-            if not extra or extra["trace"] not in self.traces:
-                continue
-            run = self.traces[extra["trace"]]
-            invoke = int(extra["invoke"])
-            step = len(state.output_token_ids)
+            extra_args = getattr(state.sampling_params, "extra_args", None) or {}
             start, end = offsets[row], offsets[row + 1]
-            if step == 0 and end - start < len(state.prompt_token_ids or []):
-                if run.failure is None:
-                    run.failure = Failure(
-                        "", f"the prompt of invoke {invoke} was split over several engine steps "
-                        "(chunked prefill); start the engine with max_num_batched_tokens of at "
-                        "least the prompt length", invoke, 0,
-                    )
-                continue
-            self.slots.append(Slot(run, invoke, step, start, end, row))
+            prompt_len = len(state.prompt_token_ids or [])
+            fast_requests.append(
+                (
+                    RowSpan(start, end, state.num_computed_tokens, prompt_len),
+                    extra_args.get(FAST_KEY),
+                )
+            )
+            traced = extra_args.get(EXTRA_ARGS_KEY)
+            if traced and traced["trace"] in self.traces:
+                self._add_slot(
+                    self.traces[traced["trace"]], int(traced["invoke"]), state, row, start, end
+                )
+        self.fast.begin_step(fast_requests)
         for slot in self.slots:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
 
+    def _add_slot(
+        self, run: TraceRun, invoke: int, state: Any, row: int, start: int, end: int
+    ) -> None:
+        step = len(state.output_token_ids)
+        if step == 0 and end - start < len(state.prompt_token_ids or []):
+            if run.failure is None:
+                run.failure = Failure(
+                    "",
+                    f"the prompt of invoke {invoke} was split over several engine steps "
+                    "(chunked prefill); start the engine with max_num_batched_tokens of at "
+                    "least the prompt length",
+                    invoke,
+                    0,
+                )
+            return
+        self.slots.append(Slot(run, invoke, step, start, end, row))
+
     def on_site(self, site_id: int, x: torch.Tensor) -> torch.Tensor | None:
         site = self.order.sites[site_id]
-        out = None
+        out = self.fast.on_plain(site, x)
         for slot in self.wanted.get(site, ()):
             source = x if out is None else out
             new = slot.run.at_site(slot.invoke, slot.step, site, source[slot.start : slot.end])
@@ -139,7 +162,7 @@ class WorkerRuntime:
         self, site_id: int, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         site = self.order.sites[site_id]
-        out = None
+        out = self.fast.on_stream(site, hidden, residual)
         for slot in self.wanted.get(site, ()):
             h, r = (hidden, residual) if out is None else out
             rows = slice(slot.start, slot.end)

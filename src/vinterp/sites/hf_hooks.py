@@ -48,12 +48,19 @@ def install_hf_hooks(modules: SiteModules, callback: SiteCallback) -> list[Any]:
     """Hook every standardized site of an HF model; returns the hook handles."""
     handles = [modules.embed.register_forward_hook(_output_hook("embed.output", callback))]
     for i, layer in enumerate(modules.layers):
-        points = [(f"layers.{i}", layer), (f"layers.{i}.attn", modules.attn(layer)),
-                  (f"layers.{i}.mlp", modules.mlp(layer))]
+        points = [
+            (f"layers.{i}", layer),
+            (f"layers.{i}.attn", modules.attn(layer)),
+            (f"layers.{i}.mlp", modules.mlp(layer)),
+        ]
         for prefix, module in points:
-            handles.append(module.register_forward_pre_hook(
-                _input_hook(f"{prefix}.input", callback), with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(
+                    _input_hook(f"{prefix}.input", callback), with_kwargs=True
+                )
+            )
             handles.append(module.register_forward_hook(_output_hook(f"{prefix}.output", callback)))
-    handles.append(modules.final_norm.register_forward_hook(
-        _output_hook("final_norm.output", callback)))
+    handles.append(
+        modules.final_norm.register_forward_hook(_output_hook("final_norm.output", callback))
+    )
     return handles

@@ -13,7 +13,9 @@ from torch import nn
 
 from vinterp.sites.names import UnknownSiteError
 
-LLAMA_FAMILY = ("llama",)
+# Pre-norm decoders whose vLLM blocks pass (hidden, residual) and whose modules are named
+# model.embed_tokens / model.layers[i].self_attn|mlp / model.norm / lm_head in both engines.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass
@@ -32,25 +34,65 @@ class SiteModules:
         return getattr(layer, self.mlp_name)
 
 
-def find_site_modules(model: nn.Module, model_type: str) -> SiteModules:
-    """The site modules of a causal LM (HF `XForCausalLM` or vLLM's), or a clear error."""
-    if model_type not in LLAMA_FAMILY:
+# Module paths of the sites in the Llama family; `sites=` overrides any of them (attn and mlp
+# are attribute names inside a layer, the others paths from the causal LM's root).
+DEFAULT_PATHS = {
+    "embed": "model.embed_tokens",
+    "layers": "model.layers",
+    "final_norm": "model.norm",
+    "lm_head": "lm_head",
+    "attn": "self_attn",
+    "mlp": "mlp",
+}
+
+
+def check_site_paths(model_type: str, overrides: dict[str, str] | None) -> dict[str, str]:
+    """The module paths to use, or a clear error for an unsupported model without overrides."""
+    unknown = set(overrides or {}) - set(DEFAULT_PATHS)
+    if unknown:
         raise UnknownSiteError(
-            f"model type {model_type!r} has no site map yet; supported: {LLAMA_FAMILY}"
+            f"sites: unknown keys {sorted(unknown)}; the keys are {sorted(DEFAULT_PATHS)}"
         )
-    body: Any = getattr(model, "model", None)
-    missing = [
-        path for path, ok in (
-            ("model", body is not None),
-            ("model.embed_tokens", hasattr(body, "embed_tokens")),
-            ("model.layers", hasattr(body, "layers")),
-            ("model.norm", hasattr(body, "norm")),
-            ("lm_head", hasattr(model, "lm_head")),
-        ) if not ok
-    ]
+    if model_type not in LLAMA_FAMILY and not overrides:
+        raise UnknownSiteError(
+            f"model type {model_type!r} has no site map; supported: {', '.join(LLAMA_FAMILY)}. "
+            "For a model built like them (pre-norm blocks with attention and MLP) pass "
+            f"sites={{...}} with the module paths, e.g. {DEFAULT_PATHS}"
+        )
+    return {**DEFAULT_PATHS, **(overrides or {})}
+
+
+def find_site_modules(
+    model: nn.Module, model_type: str, overrides: dict[str, str] | None = None
+) -> SiteModules:
+    """The site modules of a causal LM (HF `XForCausalLM` or vLLM's), or an error that names
+    every module that could not be found."""
+    paths = check_site_paths(model_type, overrides)
+    found: dict[str, Any] = {}
+    missing = []
+    for key in ("embed", "layers", "final_norm", "lm_head"):
+        try:
+            found[key] = model.get_submodule(paths[key])
+        except AttributeError:
+            missing.append(f"{key} at {paths[key]!r}")
+    layers = found.get("layers")
+    real = [layer for layer in layers or () if hasattr(layer, paths["attn"])]
+    for key in ("attn", "mlp"):
+        if layers is not None and (not real or not hasattr(real[0], paths[key])):
+            missing.append(f"{key} at {paths['layers']}[i].{paths[key]}")
     if missing:
-        raise UnknownSiteError(f"cannot find {', '.join(missing)} in {type(model).__name__}")
-    return SiteModules(body.embed_tokens, body.layers, body.norm, model.lm_head)
+        raise UnknownSiteError(
+            f"cannot find {'; '.join(missing)} in {type(model).__name__}; pass sites={{...}} "
+            "with the right module paths"
+        )
+    return SiteModules(
+        found["embed"],
+        found["layers"],
+        found["final_norm"],
+        found["lm_head"],
+        paths["attn"],
+        paths["mlp"],
+    )
 
 
 def unhooked(module: nn.Module) -> Any:

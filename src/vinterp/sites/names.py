@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(input|output|attn\.input|attn\.output|mlp\.input|mlp\.output)$")
+_LAYER_RE = re.compile(
+    r"^layers\.(\d+)\.(input|output|attn\.input|attn\.output|mlp\.input|mlp\.output)$"
+)
 
 
 class UnknownSiteError(KeyError, ValueError):

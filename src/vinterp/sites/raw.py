@@ -54,7 +54,9 @@ def install_raw_hooks(model: nn.Module, sites: list[str], callback: RawCallback)
             hook = (lambda s: lambda mod, args, out: callback(s, out))(site)
             handles.append(module.register_forward_hook(hook))
         else:
-            hook = (lambda s: lambda mod, args: callback(s, args[0] if len(args) == 1 else args))(site)
+            hook = (lambda s: lambda mod, args: callback(s, args[0] if len(args) == 1 else args))(
+                site
+            )
             handles.append(module.register_forward_pre_hook(hook))
     return handles
 

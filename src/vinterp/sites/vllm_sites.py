@@ -64,11 +64,16 @@ def install_vllm_sites(modules: SiteModules, order: SiteOrder) -> None:
     assert site_ops.site is not None  # registers torch.ops.vinterp.*
     _output_site(modules.embed, order["embed.output"])
     for i, layer in enumerate(modules.layers):
-        if not hasattr(layer, "self_attn"):
+        if not hasattr(layer, modules.attn_name):
             continue  # a pipeline stage's placeholder for a layer another stage owns
         _layer_sites(layer, order[f"layers.{i}.input"], order[f"layers.{i}.output"])
-        _io_sites(modules.attn(layer), order[f"layers.{i}.attn.input"],
-                  order[f"layers.{i}.attn.output"], "hidden_states")
-        _io_sites(modules.mlp(layer), order[f"layers.{i}.mlp.input"],
-                  order[f"layers.{i}.mlp.output"], "x")
+        _io_sites(
+            modules.attn(layer),
+            order[f"layers.{i}.attn.input"],
+            order[f"layers.{i}.attn.output"],
+            "hidden_states",
+        )
+        _io_sites(
+            modules.mlp(layer), order[f"layers.{i}.mlp.input"], order[f"layers.{i}.mlp.output"], "x"
+        )
     _output_site(modules.final_norm, order["final_norm.output"])

@@ -1,0 +1,52 @@
+"""Each supported architecture: every standardized site on vLLM equals transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vinterp
+from vinterp.api.fast_trace import site_point
+from vinterp.sites.modules import LLAMA_FAMILY
+from vinterp.sites.names import all_sites
+
+PROMPT = "The capital of France is"
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def every_site(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
+    saves = {}
+    sites = [s for s in all_sites(len(llm.layers)) if s != "samples"]
+    with llm.trace(PROMPT, max_tokens=1):
+        for site in sites:
+            point, which = site_point(llm, site)
+            saves[site] = getattr(point, which).save()
+    return saves
+
+
+def write_middle(llm: vinterp.LLM) -> list[int]:
+    direction = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with llm.trace(PROMPT, max_tokens=6) as tr:
+        middle = len(llm.layers) // 2
+        for _ in tr.iter[:]:
+            llm.layers[middle].output = llm.layers[middle].output + 100.0 * direction
+    return tr.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", LLAMA_FAMILY)
+def test_architecture_sites_equal_hf(engines, arch) -> None:
+    path = vinterp.models.tiny(arch)
+    llm, hf = engines.vllm(path), engines.hf(path)
+    got, want = every_site(llm), every_site(hf)
+    for site, value in want.items():
+        assert got[site].shape == value.shape, site
+        assert rel_err(got[site], value) < 1e-4, site
+    for i in range(len(llm.layers) - 1):
+        assert torch.equal(got[f"layers.{i}.output"], got[f"layers.{i + 1}.input"])
+    baseline = llm.generate(PROMPT, max_tokens=6, ignore_eos=True)[0].token_ids
+    steered = write_middle(llm)
+    assert steered == write_middle(hf)
+    assert steered != baseline
