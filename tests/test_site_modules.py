@@ -25,20 +25,21 @@ def renamed(tiny_llama):
 def test_renamed_container_fails_clearly_without_override(renamed) -> None:
     with pytest.raises(UnknownSiteError, match="cannot find layers at 'model.layers'"):
         find_site_modules(renamed, "llama")
-    with pytest.raises(UnknownSiteError, match=r"mlp at model.blocks\[i\].mlp"):
+    with pytest.raises(UnknownSiteError, match=r"mlp_input at model.blocks\[i\].mlp"):
         find_site_modules(renamed, "llama", {"layers": "model.blocks"})
 
 
 def test_renamed_container_works_with_override(renamed) -> None:
     modules = find_site_modules(renamed, "llama", {"layers": "model.blocks", "mlp": "ffn"})
     assert modules.layers is renamed.model.blocks
-    assert modules.mlp(modules.layers[2]) is renamed.model.blocks[2].ffn
+    assert modules.mlp_input(modules.layers[2]) is renamed.model.blocks[2].ffn
+    assert modules.mlp_output(modules.layers[2]) is renamed.model.blocks[2].ffn
     assert modules.attn(modules.layers[0]) is renamed.model.blocks[0].self_attn
 
 
 def test_unsupported_model_type_is_refused_before_loading() -> None:
-    with pytest.raises(UnknownSiteError, match="model type 'gpt2' has no site map"):
-        vinterp.sites.modules.check_site_paths("gpt2", None)
+    with pytest.raises(UnknownSiteError, match="model type .bloom. has no site map"):
+        vinterp.sites.modules.check_site_paths("bloom", None)
     with pytest.raises(UnknownSiteError, match="unknown keys"):
         vinterp.sites.modules.check_site_paths("llama", {"blocks": "model.layers"})
 

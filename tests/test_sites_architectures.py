@@ -7,7 +7,7 @@ import torch
 
 import vinterp
 from vinterp.api.fast_trace import site_point
-from vinterp.sites.modules import LLAMA_FAMILY
+from vinterp.sites.modules import SUPPORTED
 from vinterp.sites.names import all_sites
 
 PROMPT = "The capital of France is"
@@ -36,7 +36,10 @@ def write_middle(llm: vinterp.LLM) -> list[int]:
     return tr.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("arch", LLAMA_FAMILY)
+ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]
+
+
+@pytest.mark.parametrize("arch", ON_VLLM)
 def test_architecture_sites_equal_hf(engines, arch) -> None:
     path = vinterp.models.tiny(arch)
     llm, hf = engines.vllm(path), engines.hf(path)
@@ -50,3 +53,26 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
     steered = write_middle(llm)
     assert steered == write_middle(hf)
     assert steered != baseline
+
+
+def test_transformers_backend_model_is_refused_on_vllm(engines) -> None:
+    """GPT-NeoX goes through vLLM's Transformers backend, which disagrees with transformers."""
+    path = vinterp.models.tiny("gpt_neox")
+    with pytest.raises(ValueError, match="Transformers backend.*backend='hf'"):
+        vinterp.LLM(path)
+
+
+def test_gpt_neox_sites_on_hf(engines) -> None:
+    """Parallel blocks: the residual stream chains, and the MLP reads the layer input's norm."""
+    hf = engines.hf(vinterp.models.tiny("gpt_neox"))
+    got = every_site(hf)
+    layer = hf._engine.sites.layers[1]
+    for i in range(len(hf.layers) - 1):
+        assert torch.equal(got[f"layers.{i}.output"], got[f"layers.{i + 1}.input"])
+    with torch.no_grad():
+        norm = layer.post_attention_layernorm(got["layers.1.input"])
+    assert rel_err(got["layers.1.mlp.input"], norm) < 1e-6
+    parallel_sum = got["layers.1.input"] + got["layers.1.attn.output"] + got["layers.1.mlp.output"]
+    assert rel_err(got["layers.1.output"], parallel_sum) < 1e-5
+    baseline = hf.generate(PROMPT, max_tokens=6, ignore_eos=True)[0].token_ids
+    assert write_middle(hf) != baseline

@@ -58,8 +58,9 @@ class LLM:
 
             self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)
         else:
-            from vinterp.engine.vllm_engine import VLLMEngine
+            from vinterp.engine.vllm_engine import VLLMEngine, check_native_model
 
+            check_native_model(self.config, engine_kwargs)
             self._engine = VLLMEngine(
                 model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
             )

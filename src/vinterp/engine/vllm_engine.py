@@ -21,7 +21,7 @@ from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 1
+SITES_LAYOUT_VERSION = 2
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,26 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse models vLLM would run through its Transformers backend.
+
+    On this vLLM (0.32, CPU) that backend's outputs differ from transformers' for the same
+    weights (GPT-NeoX: greedy tokens diverge from the first one, plain vLLM without vinterp),
+    so sites there would equal wrong values. Such models run with backend="hf".
+    """
+    from vllm.model_executor.models.registry import _TRANSFORMERS_SUPPORTED_MODELS
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    via_backend = [a for a in architectures if a in _TRANSFORMERS_SUPPORTED_MODELS]
+    if via_backend or engine_kwargs.get("model_impl") == "transformers":
+        name = via_backend[0] if via_backend else "this model"
+        raise ValueError(
+            f"{name} runs on vLLM only through vLLM's Transformers backend, whose outputs "
+            "differ from transformers' on this vLLM version, so vinterp's sites would be "
+            "wrong; load it with vinterp.LLM(..., backend='hf')"
+        )
 
 
 class VLLMEngine:

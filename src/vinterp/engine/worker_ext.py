@@ -24,7 +24,7 @@ def install_on_runner(runner: Any) -> None:
     config = runner.model_config.hf_config
     model = runner.model
     overrides = (runner.vllm_config.additional_config or {}).get("vinterp_site_paths")
-    modules = find_site_modules(model, config.model_type, overrides)
+    modules = find_site_modules(model, config.model_type, overrides, backend="vllm")
     order = SiteOrder(int(config.num_hidden_layers))
     install_vllm_sites(modules, order)
     from vllm.distributed import get_tensor_model_parallel_rank

@@ -50,6 +50,30 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": _arch("qwen2", "Qwen2ForCausalLM", use_sliding_window=False),
     "qwen3": _arch("qwen3", "Qwen3ForCausalLM", use_sliding_window=False),
     "phi3": _arch("phi3", "Phi3ForCausalLM", original_max_position_embeddings=512),
+    # Sandwich norms, scaled embeddings, soft-capped logits, alternating sliding windows.
+    "gemma2": _arch(
+        "gemma2",
+        "Gemma2ForCausalLM",
+        sliding_window=256,
+        query_pre_attn_scalar=64,
+        attn_logit_softcapping=None,  # vLLM's CPU kernel caps differently (README)
+        tie_word_embeddings=True,
+    ),
+    "gemma3_text": _arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        sliding_window=256,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        tie_word_embeddings=True,
+    ),
+    # Learned position embeddings, LayerNorm, a single residual stream between blocks.
+    "gpt2": _arch("gpt2", "GPT2LMHeadModel", n_inner=512),
+    "opt": _arch(
+        "opt", "OPTForCausalLM", ffn_dim=512, word_embed_proj_dim=256, do_layer_norm_before=True
+    ),
+    # Parallel attention + MLP blocks; vLLM runs it through its Transformers backend.
+    "gpt_neox": _arch("gpt_neox", "GPTNeoXForCausalLM", rotary_pct=0.25),
 }
 
 ARCHITECTURES = tuple(_BASE_CONFIGS)

@@ -1,8 +1,9 @@
 """Standardized sites on transformers models, read and written through module hooks.
 
-HF modules carry a batch axis of 1 (the HF backend runs one invoke at a time); sites are
-the (T, H) slice. `layers[i].input` is the block's hidden_states argument, `.output` its
-first output; `attn`/`mlp` inputs are their hidden-state arguments (after the block's norm).
+HF modules mostly carry a batch axis of 1 (the HF backend runs one invoke at a time); sites
+are the (T, H) slice (some modules, like OPT's fc1/fc2, see (T, H) already).
+`layers[i].input` is the block's hidden_states argument, `.output` its first output;
+`attn`/`mlp` inputs are their hidden-state arguments (after the block's norm).
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ def _with_first(out: Any, new: torch.Tensor) -> Any:
     return (new, *out[1:]) if isinstance(out, tuple) else new
 
 
+def _at_site(site: str, value: torch.Tensor, callback: SiteCallback) -> torch.Tensor | None:
+    """Call back with the (T, H) view of `value`; the replacement in `value`'s layout."""
+    batched = value.dim() == 3
+    new = callback(site, value[0] if batched else value)
+    if new is None:
+        return None
+    return new.unsqueeze(0) if batched else new
+
+
 def _output_hook(site: str, callback: SiteCallback) -> Any:
     def hook(module: Any, args: Any, out: Any) -> Any:
-        new = callback(site, _first(out)[0])
-        return None if new is None else _with_first(out, new.unsqueeze(0))
+        new = _at_site(site, _first(out), callback)
+        return None if new is None else _with_first(out, new)
 
     return hook
 
@@ -36,10 +46,10 @@ def _output_hook(site: str, callback: SiteCallback) -> Any:
 def _input_hook(site: str, callback: SiteCallback) -> Any:
     def hook(module: Any, args: Any, kwargs: Any) -> Any:
         if args:
-            new = callback(site, args[0][0])
-            return None if new is None else ((new.unsqueeze(0), *args[1:]), kwargs)
-        new = callback(site, kwargs["hidden_states"][0])
-        return None if new is None else (args, {**kwargs, "hidden_states": new.unsqueeze(0)})
+            new = _at_site(site, args[0], callback)
+            return None if new is None else ((new, *args[1:]), kwargs)
+        new = _at_site(site, kwargs["hidden_states"], callback)
+        return None if new is None else (args, {**kwargs, "hidden_states": new})
 
     return hook
 
@@ -49,17 +59,18 @@ def install_hf_hooks(modules: SiteModules, callback: SiteCallback) -> list[Any]:
     handles = [modules.embed.register_forward_hook(_output_hook("embed.output", callback))]
     for i, layer in enumerate(modules.layers):
         points = [
-            (f"layers.{i}", layer),
-            (f"layers.{i}.attn", modules.attn(layer)),
-            (f"layers.{i}.mlp", modules.mlp(layer)),
+            (layer, "input", "output"),
+            (modules.attn(layer), "attn.input", "attn.output"),
+            (modules.mlp_input(layer), "mlp.input", None),
+            (modules.mlp_output(layer), None, "mlp.output"),
         ]
-        for prefix, module in points:
-            handles.append(
-                module.register_forward_pre_hook(
-                    _input_hook(f"{prefix}.input", callback), with_kwargs=True
-                )
-            )
-            handles.append(module.register_forward_hook(_output_hook(f"{prefix}.output", callback)))
+        for module, input_site, output_site in points:
+            if input_site:
+                hook = _input_hook(f"layers.{i}.{input_site}", callback)
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            if output_site:
+                hook = _output_hook(f"layers.{i}.{output_site}", callback)
+                handles.append(module.register_forward_hook(hook))
     handles.append(
         modules.final_norm.register_forward_hook(_output_hook("final_norm.output", callback))
     )

@@ -1,83 +1,176 @@
-"""Where the standardized sites live in a model's module tree (the Llama family for now).
+"""Where the standardized sites live in each architecture's module tree, on HF and on vLLM.
 
-The same attribute paths hold in transformers' and vLLM's Llama implementations; what
-differs is the value layout at each module, which the backend-specific hooks handle.
+A site map names, per architecture, the modules whose inputs and outputs are the sites
+(API.md section 2). vLLM keeps transformers' module names for most architectures; where it
+does not (Gemma's scaled embedding and tied unembedding) the map says so. How values
+are laid out at each module (vLLM's (hidden, residual) pairs, a leading batch axis) is the
+backend hooks' business, detected from the loaded modules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from vinterp.sites.names import UnknownSiteError
 
-# Pre-norm decoders whose vLLM blocks pass (hidden, residual) and whose modules are named
-# model.embed_tokens / model.layers[i].self_attn|mlp / model.norm / lm_head in both engines.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# The keys of a site map. embed/layers/final_norm/lm_head are paths from the causal LM's root;
+# attn/mlp_input/mlp_output are attribute names inside one layer (`mlp` in `sites=` sets both).
+PATH_KEYS = ("embed", "layers", "final_norm", "lm_head", "attn", "mlp_input", "mlp_output")
+OVERRIDE_KEYS = (*PATH_KEYS, "mlp")
 
-
-@dataclass
-class SiteModules:
-    embed: nn.Module
-    layers: nn.ModuleList
-    final_norm: nn.Module
-    lm_head: nn.Module
-    attn_name: str = "self_attn"
-    mlp_name: str = "mlp"
-
-    def attn(self, layer: nn.Module) -> nn.Module:
-        return getattr(layer, self.attn_name)
-
-    def mlp(self, layer: nn.Module) -> nn.Module:
-        return getattr(layer, self.mlp_name)
-
-
-# Module paths of the sites in the Llama family; `sites=` overrides any of them (attn and mlp
-# are attribute names inside a layer, the others paths from the causal LM's root).
-DEFAULT_PATHS = {
+_LLAMA_PATHS = {
     "embed": "model.embed_tokens",
     "layers": "model.layers",
     "final_norm": "model.norm",
     "lm_head": "lm_head",
     "attn": "self_attn",
-    "mlp": "mlp",
+    "mlp_input": "mlp",
+    "mlp_output": "mlp",
 }
 
 
-def check_site_paths(model_type: str, overrides: dict[str, str] | None) -> dict[str, str]:
+@dataclass(frozen=True)
+class SiteMap:
+    """Module paths of the sites in one architecture; `vllm` lists where vLLM's tree differs."""
+
+    paths: dict[str, str]
+    vllm: dict[str, str] = field(default_factory=dict)
+
+    def for_backend(self, backend: str) -> dict[str, str]:
+        return {**self.paths, **self.vllm} if backend == "vllm" else dict(self.paths)
+
+
+SITE_MAPS: dict[str, SiteMap] = {
+    **{name: SiteMap(_LLAMA_PATHS) for name in ("llama", "mistral", "qwen2", "qwen3", "phi3")},
+    # HF scales Gemma's embedding inside the module, vLLM in `embed_input_ids`; vLLM's
+    # Gemma 2 unembeds with the embedding module itself.
+    "gemma2": SiteMap(
+        _LLAMA_PATHS,
+        vllm={"embed": "model.embed_input_ids", "lm_head": "model.embed_tokens"},
+    ),
+    "gemma3_text": SiteMap(_LLAMA_PATHS, vllm={"embed": "model.embed_input_ids"}),
+    "gpt2": SiteMap(
+        {
+            "embed": "transformer.wte",
+            "layers": "transformer.h",
+            "final_norm": "transformer.ln_f",
+            "lm_head": "lm_head",
+            "attn": "attn",
+            "mlp_input": "mlp",
+            "mlp_output": "mlp",
+        }
+    ),
+    # OPT's MLP is two linears directly in the layer: its input enters fc1, its output leaves fc2.
+    "opt": SiteMap(
+        {
+            "embed": "model.decoder.embed_tokens",
+            "layers": "model.decoder.layers",
+            "final_norm": "model.decoder.final_layer_norm",
+            "lm_head": "lm_head",
+            "attn": "self_attn",
+            "mlp_input": "fc1",
+            "mlp_output": "fc2",
+        }
+    ),
+    # Parallel attention + MLP blocks. HF backend only: see `vllm_engine.check_native_model`.
+    "gpt_neox": SiteMap(
+        {
+            "embed": "gpt_neox.embed_in",
+            "layers": "gpt_neox.layers",
+            "final_norm": "gpt_neox.final_layer_norm",
+            "lm_head": "lm_head",
+            "attn": "attention",
+            "mlp_input": "mlp",
+            "mlp_output": "mlp",
+        },
+    ),
+}
+SUPPORTED = tuple(SITE_MAPS)
+
+
+@dataclass
+class SiteModules:
+    """The site modules of one loaded model. `embed` may be a module or, where the backend
+    computes the embedding in a method (vLLM's Gemma 3), that method's owner and name."""
+
+    embed: nn.Module
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Module
+    attn_name: str = "self_attn"
+    mlp_input_name: str = "mlp"
+    mlp_output_name: str = "mlp"
+    embed_method: str = "forward"
+
+    def attn(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.attn_name)
+
+    def mlp_input(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.mlp_input_name)
+
+    def mlp_output(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.mlp_output_name)
+
+    def holds_layer(self, layer: nn.Module) -> bool:
+        """False for a pipeline stage's placeholder of a layer another stage owns."""
+        return hasattr(layer, self.attn_name)
+
+
+def check_site_paths(
+    model_type: str, overrides: dict[str, str] | None, backend: str = "hf"
+) -> dict[str, str]:
     """The module paths to use, or a clear error for an unsupported model without overrides."""
-    unknown = set(overrides or {}) - set(DEFAULT_PATHS)
+    overrides = dict(overrides or {})
+    unknown = set(overrides) - set(OVERRIDE_KEYS)
     if unknown:
         raise UnknownSiteError(
-            f"sites: unknown keys {sorted(unknown)}; the keys are {sorted(DEFAULT_PATHS)}"
+            f"sites: unknown keys {sorted(unknown)}; the keys are {sorted(OVERRIDE_KEYS)}"
         )
-    if model_type not in LLAMA_FAMILY and not overrides:
+    if "mlp" in overrides:
+        mlp = overrides.pop("mlp")
+        overrides = {"mlp_input": mlp, "mlp_output": mlp, **overrides}
+    site_map = SITE_MAPS.get(model_type)
+    if site_map is None and not overrides:
         raise UnknownSiteError(
-            f"model type {model_type!r} has no site map; supported: {', '.join(LLAMA_FAMILY)}. "
-            "For a model built like them (pre-norm blocks with attention and MLP) pass "
-            f"sites={{...}} with the module paths, e.g. {DEFAULT_PATHS}"
+            f"model type {model_type!r} has no site map; supported: {', '.join(SUPPORTED)}. "
+            "For a model built like them (blocks with attention and MLP) pass sites={...} "
+            f"with the module paths, e.g. {_LLAMA_PATHS}"
         )
-    return {**DEFAULT_PATHS, **(overrides or {})}
+    defaults = site_map.for_backend(backend) if site_map else _LLAMA_PATHS
+    return {**defaults, **overrides}
+
+
+def _resolve(model: nn.Module, path: str) -> Any:
+    """The module or method at a dotted attribute path; AttributeError if absent."""
+    owner, _, name = path.rpartition(".")
+    found = getattr(model.get_submodule(owner), name)
+    if not isinstance(found, nn.Module) and not callable(found):
+        raise AttributeError(path)
+    return found
 
 
 def find_site_modules(
-    model: nn.Module, model_type: str, overrides: dict[str, str] | None = None
+    model: nn.Module,
+    model_type: str,
+    overrides: dict[str, str] | None = None,
+    backend: str = "hf",
 ) -> SiteModules:
     """The site modules of a causal LM (HF `XForCausalLM` or vLLM's), or an error that names
     every module that could not be found."""
-    paths = check_site_paths(model_type, overrides)
+    paths = check_site_paths(model_type, overrides, backend)
     found: dict[str, Any] = {}
     missing = []
     for key in ("embed", "layers", "final_norm", "lm_head"):
         try:
-            found[key] = model.get_submodule(paths[key])
+            found[key] = _resolve(model, paths[key])
         except AttributeError:
             missing.append(f"{key} at {paths[key]!r}")
     layers = found.get("layers")
     real = [layer for layer in layers or () if hasattr(layer, paths["attn"])]
-    for key in ("attn", "mlp"):
+    for key in ("attn", "mlp_input", "mlp_output"):
         if layers is not None and (not real or not hasattr(real[0], paths[key])):
             missing.append(f"{key} at {paths['layers']}[i].{paths[key]}")
     if missing:
@@ -85,13 +178,18 @@ def find_site_modules(
             f"cannot find {'; '.join(missing)} in {type(model).__name__}; pass sites={{...}} "
             "with the right module paths"
         )
+    embed, embed_method = found["embed"], "forward"
+    if not isinstance(embed, nn.Module):  # a bound method: wrap it on its owner
+        embed, embed_method = embed.__self__, embed.__name__
     return SiteModules(
-        found["embed"],
-        found["layers"],
+        embed,
+        layers,
         found["final_norm"],
         found["lm_head"],
         paths["attn"],
-        paths["mlp"],
+        paths["mlp_input"],
+        paths["mlp_output"],
+        embed_method,
     )
 
 
