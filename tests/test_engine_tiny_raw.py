@@ -34,7 +34,7 @@ def test_raw_qkv_equals_hf_projections(eager, engines, tiny_llama) -> None:
     assert [t[0].shape[0] for t in qkv] == tokens  # each invoke gets its own token rows
     assert q.shape == (1, tokens[1], 256)
     assert rel_err(qkv[1][0][:, :256], q[0]) < 1e-4
-    weight = hf.engine.model.layers[1].self_attn.q_proj.weight
+    weight = hf.engine.model.layers[1].self_attn.q_proj.weight.detach()
     assert rel_err(q[0], attn_in @ weight.T) < 1e-4
 
 

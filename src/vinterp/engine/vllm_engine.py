@@ -21,7 +21,7 @@ from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 2
+SITES_LAYOUT_VERSION = 3
 
 log = logging.getLogger(__name__)
 

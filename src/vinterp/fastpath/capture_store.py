@@ -1,4 +1,8 @@
-"""Captured rows kept in the worker until the client takes them (one store per worker)."""
+"""Captured rows kept in the worker until the client takes them (one store per worker).
+
+Each site is gathered once per step for all requests (one copy, not one per request); the
+requests' slices are cut out only when they are taken.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,45 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.tables import CaptureRows
+from vinterp.fastpath.tables import SiteCapture
 from vinterp.ir.wire import tensor_to_wire
+
+# per capture id, per site: (one step's gathered rows, first row, positions) for each step
+_Chunk = tuple[torch.Tensor, int, list[int]]
 
 
 class CaptureStore:
     def __init__(self) -> None:
-        self._chunks: dict[str, dict[str, list[tuple[list[int], torch.Tensor]]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        self._chunks: dict[str, dict[str, list[_Chunk]]] = defaultdict(lambda: defaultdict(list))
 
-    def record_site(self, site: str, entries: list[CaptureRows], value: torch.Tensor) -> None:
-        for entry in entries:
-            rows = value[entry.rows.to(value.device)].detach().to("cpu", copy=True)
-            self._chunks[entry.capture_id][site].append((entry.positions, rows))
+    def record_site(self, site: str, capture: SiteCapture, value: torch.Tensor) -> None:
+        gathered = value.detach().index_select(0, capture.rows.to(value.device))
+        if gathered.device.type != "cpu":
+            gathered = gathered.to("cpu")
+        start = 0
+        for capture_id, positions in capture.parts:
+            self._chunks[capture_id][site].append((gathered, start, positions))
+            start += len(positions)
 
     def take(self, capture_ids: list[str]) -> dict[str, Any]:
-        """Per capture id and site: positions in order and their rows, as wire tensors.
-
-        A position recorded twice (a preempted request recomputed) keeps the latest row."""
+        """Per capture id and site: positions in order and their rows, as wire tensors."""
         out: dict[str, Any] = {}
         for cid in capture_ids:
             sites = self._chunks.pop(cid, {})
             out[cid] = {}
             for site, chunks in sites.items():
-                by_position: dict[int, torch.Tensor] = {}
-                for positions, rows in chunks:
-                    by_position.update(zip(positions, rows))
-                ordered = sorted(by_position)
-                out[cid][site] = {
-                    "positions": ordered,
-                    "values": tensor_to_wire(torch.stack([by_position[p] for p in ordered])),
-                }
+                positions, values = latest_by_position(chunks)
+                out[cid][site] = {"positions": positions, "values": tensor_to_wire(values)}
         return out
+
+
+def latest_by_position(chunks: list[_Chunk]) -> tuple[list[int], torch.Tensor]:
+    """Rows sorted by position; a position recorded twice (a preempted request recomputed)
+    keeps its latest row."""
+    values = torch.cat([g[start : start + len(pos)] for g, start, pos in chunks])
+    positions = torch.tensor([p for _, _, pos in chunks for p in pos], dtype=torch.long)
+    order = torch.argsort(positions, stable=True)
+    ordered = positions[order]
+    last = torch.ones_like(ordered, dtype=torch.bool)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    return ordered[last].tolist(), values[order[last]]

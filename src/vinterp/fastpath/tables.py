@@ -61,16 +61,18 @@ class FrozenSteer:
 
 
 @dataclass
-class CaptureRows:
-    capture_id: str
+class SiteCapture:
+    """One site's recorded rows this step: `rows` gathers them all at once; `parts` says
+    whose they are, in order: (capture id, positions), one row per position."""
+
     rows: torch.Tensor
-    positions: list[int]
+    parts: list[tuple[str, list[int]]]
 
 
 @dataclass
 class StepTables:
     steer: dict[str, FrozenSteer] = field(default_factory=dict)
-    capture: dict[str, list[CaptureRows]] = field(default_factory=dict)
+    capture: dict[str, SiteCapture] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.steer or self.capture)
@@ -78,7 +80,8 @@ class StepTables:
 
 def build_tables(requests: list[tuple[RowSpan, list[SteerSpec], CaptureSpec | None]]) -> StepTables:
     steer: dict[str, SiteSteer] = defaultdict(SiteSteer)
-    capture: dict[str, list[CaptureRows]] = defaultdict(list)
+    capture_rows: dict[str, list[int]] = defaultdict(list)
+    capture_parts: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
     for span, specs, cap in requests:
         positions = span.positions()
         for spec in specs:
@@ -103,9 +106,14 @@ def build_tables(requests: list[tuple[RowSpan, list[SteerSpec], CaptureSpec | No
                 if cap.wants(p, span.prompt_len)
             ]
             if picked:
-                rows_t = torch.tensor([r for r, _ in picked], dtype=torch.long)
+                part = (cap.capture_id, [p for _, p in picked])
                 for site in cap.sites:
-                    capture[site].append(
-                        CaptureRows(cap.capture_id, rows_t, [p for _, p in picked])
-                    )
-    return StepTables({s: t.freeze() for s, t in steer.items()}, dict(capture))
+                    capture_rows[site].extend(r for r, _ in picked)
+                    capture_parts[site].append(part)
+    return StepTables(
+        {s: t.freeze() for s, t in steer.items()},
+        {
+            site: SiteCapture(torch.tensor(rows, dtype=torch.long), capture_parts[site])
+            for site, rows in capture_rows.items()
+        },
+    )

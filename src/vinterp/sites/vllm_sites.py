@@ -71,7 +71,7 @@ def _passes_residual(layer: nn.Module) -> bool:
 
 def install_vllm_sites(modules: SiteModules, order: SiteOrder) -> None:
     """Wrap every site module of a vLLM model with the site ops."""
-    assert site_ops.site is not None  # registers torch.ops.vinterp.*
+    assert site_ops.LIBRARY is not None  # registers torch.ops.vinterp.*
     _output_site(modules.embed, order["embed.output"], modules.embed_method)
     for i, layer in enumerate(modules.layers):
         if not modules.holds_layer(layer):
