@@ -63,3 +63,16 @@ def test_parallel_equals_single_worker(
             assert rel_err(got[site], want[site]) < 1e-5, site
     for got, want in zip(saves, want_saves):
         assert rel_err(got, want) < 1e-5
+
+
+def test_pipeline_cross_stage_write_fails_clearly_and_engine_serves_on(
+    engines, tiny_llama, single_worker_fast
+) -> None:
+    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    with pytest.raises(vinterp.InterventionError, match="read on another stage"):
+        with llm.trace(PROMPTS[0], max_tokens=1):
+            early = llm.layers[0].output[-1].save()
+            llm.layers[3].output[-1] = early  # layer 3 runs on the second stage
+    tokens, _, saves = fast_path_results(llm)
+    assert tokens == single_worker_fast[0]
+    assert rel_err(saves[0], single_worker_fast[2][0]) < 1e-5

@@ -123,7 +123,9 @@ class TraceRun:
         else:
             raise RuntimeError(
                 f"the value of {node.target} (invoke {node.invoke}, step {step}) is not "
-                "available here: the engine did not run it before this point"
+                "available here: the engine did not run it before this point (under pipeline "
+                "parallelism: it was read on another stage; using a value on a stage other "
+                "than the one that read it is not supported yet)"
             )
         self.values[key] = result
         return result
