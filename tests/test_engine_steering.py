@@ -221,3 +221,16 @@ def test_spec_validation_names_the_field() -> None:
         vinterp.Capture("layers.1.output", positions="first")
     with pytest.raises(ValueError, match="path"):
         vinterp.Capture("layers.1.output", sink="filesystem")
+
+
+def test_steering_stays_compiled_and_capture_leaves_only_its_steps(llm, direction) -> None:
+    before = llm.step_stats()
+    llm.generate(PROMPTS, max_tokens=8, steering=vinterp.Steering({SITE: direction}, scale=8.0))
+    steered = llm.step_stats()
+    assert steered["steps"] - before["steps"] >= 8
+    assert steered["uncompiled_steps"] == before["uncompiled_steps"]  # no Python at any site
+    llm.generate(PROMPTS, max_tokens=8, capture=vinterp.Capture(SITE))  # last_prompt
+    captured = llm.step_stats()
+    assert captured["steps"] - steered["steps"] >= 8
+    # only the step(s) that prefill the prompts (the scheduler may split the arrivals)
+    assert 1 <= captured["uncompiled_steps"] - steered["uncompiled_steps"] <= len(PROMPTS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from vinterp.bench.fastpath import WORKLOADS
+
 DEMO_PROMPTS = [
     "The capital of France is",
     "The three primary colors are",
@@ -54,18 +56,35 @@ def _demo_trace(llm: object) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     import vinterp
-    from vinterp.bench import fastpath, harness, trace_invokes
+    from vinterp.bench import fastpath, harness
 
     model = args.model or vinterp.models.bundled()
+    dtype = fastpath.resolve_dtype(model, args.dtype)
     rows = fastpath.run(
-        model, prompts=args.prompts, max_tokens=args.max_tokens, repeats=args.repeats
+        model,
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        dtype=dtype,
+        workloads=args.workloads,
+        invokes=args.invokes,
     )
-    llm = vinterp.LLM(model)
-    rows.append(trace_invokes.run(llm, invokes=args.invokes, repeats=args.repeats))
-    llm.shutdown()
     print(harness.header())
     for row in rows:
         print(row.line())
+    if args.json:
+        harness.write_json(args.json, rows, harness.machine_info(dtype, model))
+        print(f"rows written to {args.json}")
+
+
+def _workload_list(text: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in WORKLOADS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown {unknown or 'empty list'}; choose from {', '.join(WORKLOADS)}"
+        )
+    return keys
 
 
 def _demo_steer_and_capture(llm: object) -> None:
@@ -102,6 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--prompts", type=int, default=64)
     bench.add_argument("--max-tokens", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument(
+        "--dtype", default=None, help="engine dtype for vLLM and vinterp (default: checkpoint's)"
+    )
+    bench.add_argument(
+        "--workloads",
+        type=_workload_list,
+        default=None,
+        help=f"comma list of rows to run (default all): {', '.join(WORKLOADS)}",
+    )
+    bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     args.run(args)

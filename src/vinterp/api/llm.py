@@ -163,6 +163,11 @@ class LLM:
                 )
         return token_lists
 
+    def step_stats(self) -> dict[str, int]:
+        """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
+        graphs (steps that trace or capture); steering alone never leaves the graphs."""
+        return self._engine.step_stats()
+
     def shutdown(self) -> None:
         """Stop the engine and its worker processes (also done at interpreter exit)."""
         self._engine.shutdown()

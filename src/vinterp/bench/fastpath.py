@@ -1,76 +1,153 @@
-"""Steering and capture against plain vLLM (no vinterp in the engine), same machine, same run."""
+"""Steering, capture and traces against plain vLLM (no vinterp in the engine), same machine,
+same run, same dtype and engine settings. One engine is alive at a time."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vinterp.bench.harness import Row, best_time
+from vinterp.bench import trace_invokes
+from vinterp.bench.harness import REFERENCE, Row, best_time, device_kind, free_memory, target
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
+EAGER = "eager"
+# Row keys `vinterp bench --workloads` selects from, in the order they run.
+WORKLOADS = (
+    EAGER,
+    "idle",
+    "steer",
+    "capture_one",
+    "capture_layers_last",
+    "capture_layers_all",
+    trace_invokes.KEY,
+)
 
 
-def plain_vllm_time(model: Path, prompts: list[str], max_tokens: int, repeats: int) -> float:
-    """Time vLLM alone: an engine started without vinterp's plugin or site ops."""
+def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
+    """`dtype`, or else the checkpoint's own: what `vinterp.LLM` picks when given none."""
+    if dtype:
+        return dtype
+    from transformers import AutoConfig
+
+    from vinterp.api.llm import _checkpoint_dtype
+
+    return _checkpoint_dtype(AutoConfig.from_pretrained(str(model)))
+
+
+@contextmanager
+def plain_vllm(model: str | Path, dtype: str, enforce_eager: bool = False) -> Iterator[Any]:
+    """A `vllm.LLM` without vinterp's plugin or site ops, with vinterp's engine settings;
+    shut down (and memory freed) when the block ends."""
     import vllm
+    from vllm.platforms import current_platform
 
     from vinterp.engine.cpu_settings import configure_cpu_environment
     from vinterp.engine.plugin import ENV_FLAG
 
     os.environ.pop(ENV_FLAG, None)
-    configure_cpu_environment(1)
-    llm = vllm.LLM(model=str(model), dtype="float32", enable_prefix_caching=False, seed=0)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if current_platform.is_cpu():
+        configure_cpu_environment(1)
+    llm = vllm.LLM(
+        model=str(model),
+        dtype=dtype,
+        enable_prefix_caching=False,
+        seed=0,
+        enforce_eager=enforce_eager,
+    )
     try:
-        return best_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
+        yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+        del llm
+        free_memory()
 
 
-def run(model: Path, prompts: int = 64, max_tokens: int = 32, repeats: int = 3) -> list[Row]:
+def plain_vllm_time(
+    model: str | Path,
+    prompts: list[str],
+    max_tokens: int,
+    repeats: int,
+    dtype: str,
+    enforce_eager: bool = False,
+) -> float:
+    """Best wall time of plain vLLM generating `max_tokens` greedy tokens per prompt."""
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with plain_vllm(model, dtype, enforce_eager) as llm:
+        return best_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
+
+
+def _workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """(key, name, generate kwargs) of the fast-path rows."""
     import vinterp
 
-    texts = [PROMPT_TEMPLATE.format(i=i) for i in range(prompts)]
-    baseline = plain_vllm_time(model, texts, max_tokens, repeats)
-    llm = vinterp.LLM(model)
     vector = torch.randn(int(llm.config.hidden_size), generator=torch.Generator().manual_seed(0))
-    layer = len(llm.layers) // 3
-    workloads: list[tuple[str, dict[str, Any], float]] = [
-        ("vinterp engine, no intervention", {}, 1.05),
+    site = f"layers.{len(llm.layers) // 3}.output"
+    return [
+        ("idle", "vinterp engine, no intervention", {}),
+        ("steer", f"steering {site}", {"steering": vinterp.Steering({site: vector}, scale=4.0)}),
+        ("capture_one", f"capture {site} last_prompt", {"capture": vinterp.Capture(site)}),
         (
-            f"steering layers.{layer}.output",
-            {"steering": vinterp.Steering({f"layers.{layer}.output": vector}, scale=4.0)},
-            1.05,
+            "capture_layers_last",
+            "capture layers.*.output last_prompt",
+            {"capture": vinterp.Capture("layers.*.output", positions="last_prompt")},
         ),
         (
-            f"capture layers.{layer}.output last_prompt",
-            {"capture": vinterp.Capture(f"layers.{layer}.output")},
-            1.05,
-        ),
-        (
+            "capture_layers_all",
             "capture layers.*.output all positions",
             {"capture": vinterp.Capture("layers.*.output", positions="all")},
-            1.5,
         ),
     ]
-    rows = []
+
+
+def run(
+    model: str | Path,
+    prompts: int = 64,
+    max_tokens: int = 32,
+    repeats: int = 3,
+    dtype: str | None = None,
+    workloads: list[str] | None = None,
+    invokes: int = 256,
+) -> list[Row]:
+    """Rows for the selected `workloads` keys (default all), each engine shut down before
+    the next starts."""
+    import vinterp
+
+    selected = set(workloads or WORKLOADS)
+    dtype = resolve_dtype(model, dtype)
+    texts = [PROMPT_TEMPLATE.format(i=i) for i in range(prompts)]
+    size = f" ({prompts}x{max_tokens})"
+    rows: list[Row] = []
+    baseline = 0.0
+    if selected - {trace_invokes.KEY}:  # every other row is a ratio to compiled plain vLLM
+        baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype)
+    if EAGER in selected and device_kind() == "cuda":
+        eager = plain_vllm_time(model, texts, max_tokens, repeats, dtype, enforce_eager=True)
+        rows.append(Row("plain vLLM enforce_eager=True" + size, baseline, eager, REFERENCE, EAGER))
+    elif EAGER in selected:
+        print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
+    if not selected & set(WORKLOADS[1:]):
+        return rows
+    llm = vinterp.LLM(model, dtype=dtype)
     try:
-        for name, kwargs, target in workloads:
+        for key, name, kwargs in _workloads(llm):
+            if key not in selected:
+                continue
 
             def generate(kwargs: dict[str, Any] = kwargs) -> None:
                 llm.generate(texts, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
-            rows.append(
-                Row(
-                    f"{name} ({prompts}x{max_tokens})",
-                    baseline,
-                    best_time(generate, repeats),
-                    target,
-                )
-            )
+            measured = best_time(generate, repeats)
+            rows.append(Row(name + size, baseline, measured, target(key), key))
+        if trace_invokes.KEY in selected:
+            rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
     finally:
         llm.shutdown()
+        free_memory()
     return rows

@@ -2,7 +2,7 @@
 
 vLLM calls `register()` in every process it starts. Engines started by vinterp set
 VINTERP_SITES=1 (inherited by their processes); only then is `load_model` patched to put
-the site ops into the model, so plain vLLM users who have vinterp installed are unaffected.
+the sites into the model, so plain vLLM users who have vinterp installed are unaffected.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def register() -> None:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
         _patch_load_model(CPUModelRunner)
-    else:
+    else:  # both GPU runners: V2 (vLLM's default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0)
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         _patch_load_model(GPUModelRunner)
+        _patch_load_model(V2Runner)

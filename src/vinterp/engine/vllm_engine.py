@@ -21,7 +21,7 @@ from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 3
+SITES_LAYOUT_VERSION = 4
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,19 @@ class VLLMEngine:
             **kwargs,
         )
         self._closed = False
+        cache_config = self.llm.llm_engine.vllm_config.cache_config
+        self._prefix_caching = bool(cache_config.enable_prefix_caching)
+        self._global_steering = False
         atexit.register(self.shutdown)
+
+    def _prompt(self, ids: list[int], intervened: bool) -> dict[str, Any]:
+        """vLLM's prompt for token ids. With prefix caching on, an intervened request gets its
+        own cache salt: cached blocks skip the forward (DESIGN.md lesson 1), so its prompt is
+        computed in full while plain requests keep sharing the cache."""
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if (intervened or self._global_steering) and self._prefix_caching:
+            prompt["cache_salt"] = uuid.uuid4().hex
+        return prompt
 
     def generate(
         self,
@@ -104,7 +116,9 @@ class VLLMEngine:
             for s, f in zip(sampling, fast)
         ]
         results = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
+            [self._prompt(ids, f is not None) for ids, f in zip(prompts, fast)],
+            params,
+            use_tqdm=False,
         )
         return [_to_output(r) for r in results]
 
@@ -116,7 +130,12 @@ class VLLMEngine:
                 merged.setdefault(capture_id, {}).update(sites)
         return merged
 
+    def step_stats(self) -> dict[str, int]:
+        """Forward steps run so far, and how many of them ran uncompiled (first worker)."""
+        return self.llm.collective_rpc("vinterp_step_stats")[0]
+
     def set_global_steering(self, specs: list[Any]) -> None:
+        self._global_steering = bool(specs)
         self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in specs],))
 
     def register_steering(self, name: str, spec: Any | None) -> None:
@@ -142,7 +161,7 @@ class VLLMEngine:
                     )
                     for k in round_
                 ]
-                prompts = [{"prompt_token_ids": graph.invokes[k].prompt} for k in round_]
+                prompts = [self._prompt(graph.invokes[k].prompt, True) for k in round_]
                 for k, result in zip(round_, self.llm.generate(prompts, params, use_tqdm=False)):
                     outputs[k] = _to_output(result)
         finally:

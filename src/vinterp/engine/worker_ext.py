@@ -1,17 +1,17 @@
-"""vinterp inside vLLM's workers: site ops installed at model load, trace RPCs.
+"""vinterp inside vLLM's workers: sites installed at model load, runner hooks, trace RPCs.
 
 `install_on_runner` runs right after a model runner loads its model and before vLLM
-compiles it (the plugin patches `load_model`), so the site ops are part of the compiled
-graph. `VinterpWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`) and
-receives the trace lifecycle calls from `collective_rpc`.
+compiles it (the plugin patches `load_model`), so the sites and their steering buffers are
+part of the compiled graph. `VinterpWorkerExtension` is mixed into vLLM's worker
+(`worker_extension_cls`) and receives the trace lifecycle calls from `collective_rpc`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from vinterp.engine.runner_hooks import instrument, runner_kind
+from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.runtime.vllm_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules
 from vinterp.sites.names import SiteOrder
@@ -20,13 +20,34 @@ from vinterp.sites.vllm_sites import install_vllm_sites
 RUNTIME_ATTR = "_vinterp_runtime"
 
 
+def steer_buffers_for(runner: Any, num_sites: int) -> SteerBuffers:
+    """Buffers sized for the largest step the runner can run (graph padding included)."""
+    config = runner.vllm_config
+    max_seqs = config.scheduler_config.max_num_seqs
+    max_tokens = max(
+        config.scheduler_config.max_num_batched_tokens,
+        config.compilation_config.max_cudagraph_capture_size or 0,
+    )
+    return SteerBuffers(
+        num_sites=num_sites,
+        hidden_size=int(runner.model_config.hf_config.hidden_size),
+        max_tokens=max_tokens,
+        max_combos=2 * max_seqs + 2,
+        max_rows=2 * max_seqs + 2,
+        dtype=runner.model_config.dtype,
+        device=runner.device,
+    )
+
+
 def install_on_runner(runner: Any) -> None:
+    runner_kind(runner)  # refuses a runner vinterp cannot follow, before anything else
     config = runner.model_config.hf_config
-    model = runner.model
+    model = runner.get_model()
     overrides = (runner.vllm_config.additional_config or {}).get("vinterp_site_paths")
     modules = find_site_modules(model, config.model_type, overrides, backend="vllm")
     order = SiteOrder(int(config.num_hidden_layers))
-    install_vllm_sites(modules, order)
+    steer = steer_buffers_for(runner, len(order.sites))
+    install_vllm_sites(modules, order, steer)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     runtime = WorkerRuntime(
@@ -34,19 +55,10 @@ def install_on_runner(runner: Any) -> None:
         modules,
         order,
         int(config.vocab_size),
+        steer,
         captures_here=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
     )
-    model.register_forward_pre_hook(lambda module, args: runtime.begin_step())
-    compute_logits = model.compute_logits
-
-    def logits_with_sites(hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = compute_logits(hidden_states)
-        return None if logits is None else runtime.on_logits(logits)
-
-    model.compute_logits = logits_with_sites
-    runner.sampler.register_forward_hook(
-        lambda module, args, out: runtime.on_samples(out.sampled_token_ids[:, 0])
-    )
+    instrument(runner, runtime)
     setattr(runner, RUNTIME_ATTR, runtime)
 
 
@@ -74,3 +86,6 @@ class VinterpWorkerExtension:
 
     def vinterp_take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
         return self._vinterp.fast.take_captures(capture_ids)
+
+    def vinterp_step_stats(self) -> dict[str, int]:
+        return dict(self._vinterp.stats)

@@ -1,7 +1,8 @@
 """Captured rows kept in the worker until the client takes them (one store per worker).
 
-Each site is gathered once per step for all requests (one copy, not one per request); the
-requests' slices are cut out only when they are taken.
+Each site is gathered once per step for all requests (one copy, not one per request) and
+stays on the device; the requests' slices are cut out and moved to the host only when they
+are taken, so recording never waits for the device.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ class CaptureStore:
 
     def record_site(self, site: str, capture: SiteCapture, value: torch.Tensor) -> None:
         gathered = value.detach().index_select(0, capture.rows.to(value.device))
-        if gathered.device.type != "cpu":
-            gathered = gathered.to("cpu")
         start = 0
         for capture_id, positions in capture.parts:
             self._chunks[capture_id][site].append((gathered, start, positions))
@@ -34,11 +33,19 @@ class CaptureStore:
     def take(self, capture_ids: list[str]) -> dict[str, Any]:
         """Per capture id and site: positions in order and their rows, as wire tensors."""
         out: dict[str, Any] = {}
+        on_host: dict[int, torch.Tensor] = {}  # one device-to-host copy per gathered step
+
+        def host(chunk: _Chunk) -> _Chunk:
+            gathered, start, positions = chunk
+            if id(gathered) not in on_host:
+                on_host[id(gathered)] = gathered.cpu()
+            return on_host[id(gathered)], start, positions
+
         for cid in capture_ids:
             sites = self._chunks.pop(cid, {})
             out[cid] = {}
             for site, chunks in sites.items():
-                positions, values = latest_by_position(chunks)
+                positions, values = latest_by_position([host(c) for c in chunks])
                 out[cid][site] = {"positions": positions, "values": tensor_to_wire(values)}
         return out
 

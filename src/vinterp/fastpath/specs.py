@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vinterp.ir.wire import tensor_from_wire
 from vinterp.sites.names import SiteOrder
 
 FAST_KEY = "vinterp_fast"
+_SERIALS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class SteerSpec:
     phase: str
     positions: frozenset[int] | None
     norm_match: bool
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> SteerSpec:
@@ -31,13 +35,22 @@ class SteerSpec:
             norm_match=bool(obj["norm_match"]),
         )
 
-    def applies(self, position: int, prompt_len: int) -> bool:
-        in_prompt = position < prompt_len
-        if self.phase == "prefill" and not in_prompt:
-            return False
-        if self.phase == "decode" and in_prompt:
-            return False
-        return self.positions is None or (in_prompt and position in self.positions)
+    def applies(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Which of these absolute token positions the spec steers."""
+        in_prompt = positions < prompt_len
+        phases = {"prefill": in_prompt, "decode": ~in_prompt}
+        mask = phases.get(self.phase, np.ones_like(in_prompt))
+        if self.positions is not None:
+            mask = mask & in_prompt & np.isin(positions, list(self.positions))
+        return mask
+
+    def scaled(self, site: str) -> torch.Tensor:
+        """What the spec adds at `site`: scale * v, or scale * v / |v| (times the token's
+        residual norm, applied on the device) with norm_match."""
+        vector = self.vectors[site].float() * self.scale
+        if self.norm_match:
+            return vector / self.vectors[site].float().norm().clamp_min(1e-12)
+        return vector
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,18 @@ class CaptureSpec:
         return cls(
             obj["id"], sites, frozenset(positions) if isinstance(positions, list) else positions
         )
+
+    def wants_any(self, first: int, end: int, prompt_len: int) -> bool:
+        """Whether any position in first..end-1 is captured (decides how a step runs)."""
+        if isinstance(self.positions, frozenset):
+            return any(first <= p < end for p in self.positions)
+        if self.positions == "last_prompt":
+            return first <= prompt_len - 1 < end
+        if self.positions == "all_prompt":
+            return first < prompt_len
+        if self.positions == "all_generated":
+            return end > prompt_len
+        return True
 
     def wants(self, position: int, prompt_len: int) -> bool:
         if isinstance(self.positions, frozenset):

@@ -55,6 +55,17 @@ class TraceRun:
     def _key(self, node_id: int, step: int) -> tuple[int, int]:
         return (node_id, 0 if self.graph.nodes[node_id].block == STEP_ZERO else step)
 
+    def works_at(self, invoke: int, step: int) -> bool:
+        """Whether the invoke has anything to run at any site in this generation step."""
+        if self.failure is not None or step >= self.max_steps.get(invoke, 0):
+            return False
+        return any(
+            self._active(self.graph.nodes[node_id], step)
+            for (k, _), node_ids in self.plan.schedule.items()
+            if k == invoke
+            for node_id in node_ids
+        )
+
     def wants(self, invoke: int, site: str) -> bool:
         return (invoke, site) in self.plan.schedule and self.failure is None
 

@@ -1,13 +1,12 @@
-"""The custom ops placed at every standardized site inside vLLM's model.
+"""What runs at every standardized site inside vLLM's model.
 
-They are opaque to torch.compile, so they survive compilation and run our Python at each
-site on every step; with nothing to do they return copies of their inputs (custom ops may
-not return aliases). `site` handles a plain activation; `stream` handles vLLM's residual
-stream, carried as (hidden, residual) whose sum is the HF block output.
-
-Defined with `torch.library.Library` rather than `torch.library.custom_op`: a model has a
-few hundred sites per step and custom_op's Python wrapper costs ~50 us per call, which alone
-made an idle vinterp engine ~5% slower than plain vLLM (`vinterp bench`).
+Two parts, so that graph replay never skips an intervention:
+- steering, as plain tensor ops on persistent buffers (`fastpath.steer_buffers`): compiled
+  into the model and replayed in CUDA graphs, so it holds in every step;
+- Python handlers (traces, captures, raw hooks), called only in the steps that vinterp runs
+  uncompiled (the runner hooks decide per step, before vLLM picks the graph mode). Under
+  torch.compile the handler branch is not traced at all: the compiled model holds nothing
+  but the steering ops, and no Python runs at a site in a compiled or replayed step.
 """
 
 from __future__ import annotations
@@ -16,47 +15,47 @@ from collections.abc import Callable
 
 import torch
 
+from vinterp.fastpath.steer_buffers import SteerBuffers
+
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
 StreamHandler = Callable[
     [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None
 ]
 
 
-class _Handlers:
+class PythonSites:
+    """This process's handlers and whether the current step calls them."""
+
+    active: bool = False
     site: SiteHandler | None = None
     stream: StreamHandler | None = None
 
 
-HANDLERS = _Handlers()
+PYTHON = PythonSites()
 
 
-def site(x: torch.Tensor, site_id: int) -> torch.Tensor:
-    handler = HANDLERS.site
-    out = handler(site_id, x) if handler is not None else None
-    return x.clone() if out is None else out
+def _python_step() -> bool:
+    return not torch.compiler.is_compiling() and PYTHON.active
 
 
-def stream(
-    hidden: torch.Tensor, residual: torch.Tensor, site_id: int
+def plain_site(steer: SteerBuffers, site_id: int, x: torch.Tensor) -> torch.Tensor:
+    """A (tokens, H) site: steering, then (in uncompiled steps) the Python handler."""
+    x = steer(site_id, x)
+    if _python_step() and PYTHON.site is not None:
+        out = PYTHON.site(site_id, x)
+        if out is not None:
+            x = out
+    return x
+
+
+def stream_site(
+    steer: SteerBuffers, site_id: int, hidden: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    handler = HANDLERS.stream
-    out = handler(site_id, hidden, residual) if handler is not None else None
-    return (hidden.clone(), residual.clone()) if out is None else out
-
-
-def _site_fake(x: torch.Tensor, site_id: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _stream_fake(
-    hidden: torch.Tensor, residual: torch.Tensor, site_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(hidden), torch.empty_like(residual)
-
-
-LIBRARY = torch.library.Library("vinterp", "DEF")  # kept alive: dropping it unregisters
-LIBRARY.define("site(Tensor x, int site_id) -> Tensor")
-LIBRARY.define("stream(Tensor hidden, Tensor residual, int site_id) -> (Tensor, Tensor)")
-for _name, _impl, _fake in (("site", site, _site_fake), ("stream", stream, _stream_fake)):
-    LIBRARY.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"vinterp::{_name}", _fake, lib=LIBRARY)
+    """vLLM's residual stream as (hidden, residual), whose sum is the HF block output:
+    steering goes into the residual part, norm-matched against the sum."""
+    residual = steer(site_id, residual, norm_of=hidden + residual)
+    if _python_step() and PYTHON.stream is not None:
+        out = PYTHON.stream(site_id, hidden, residual)
+        if out is not None:
+            hidden, residual = out
+    return hidden, residual

@@ -1,9 +1,13 @@
-"""Worker-side trace execution inside vLLM: which rows of the flat token batch belong to
-which traced invoke at which step, and the handlers the site ops call.
+"""Worker-side runtime inside vLLM: which rows of the flat token batch belong to which
+request, how each step runs, and the handlers the sites call.
 
-vLLM flattens every scheduled token of every request into one (tokens, H) batch. Before
-each forward, `begin_step` reads the runner's request order and query offsets; the site
-handlers then hand each traced invoke its own row slice.
+Per step, in the order the runner hooks (`engine.runner_hooks`) call them:
+- `on_schedule(scheduler_output)`: before vLLM picks the step's graph mode. Steering is
+  planned; the step is marked to run uncompiled (Python at the sites) when a traced or
+  capturing request has work in it, and only then.
+- `begin_step(layout)`: once the runner has laid the batch out. The steering buffers are
+  written; in an uncompiled step the traced invokes get their row slices (`Slot`s) and the
+  capture tables are built.
 """
 
 from __future__ import annotations
@@ -11,20 +15,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from vinterp.fastpath.specs import FAST_KEY
+from vinterp.fastpath.specs import FAST_KEY, RequestFast, decode_request
+from vinterp.fastpath.steer_buffers import SteerBuffers
+from vinterp.fastpath.steer_tables import SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan
 from vinterp.fastpath.worker import FastPath
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.ir.wire import WireError, from_wire, tensor_from_wire, tensor_to_wire
-from vinterp.runtime import site_ops
 from vinterp.runtime.executor import Failure, TraceRun
+from vinterp.runtime.site_ops import PYTHON
 from vinterp.sites.modules import SiteModules, unhooked
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.sites.raw import install_raw_hooks, raw_sites_of
 
 EXTRA_ARGS_KEY = "vinterp"
+
+
+@dataclass
+class Scheduled:
+    """What the worker knows of one request, from the scheduler's outputs."""
+
+    prompt_len: int
+    num_computed: int  # tokens computed before this step
+    fast: RequestFast | None
+    trace: tuple[str, int] | None  # (trace id, invoke)
+
+    def step(self, num_tokens: int) -> int:
+        """The generation step this forward runs (0: the prompt; k: samples token k+1)."""
+        return max(0, self.num_computed + num_tokens - self.prompt_len)
 
 
 @dataclass
@@ -46,22 +67,29 @@ class WorkerRuntime:
         modules: SiteModules,
         order: SiteOrder,
         vocab_size: int,
+        steer: SteerBuffers,
         captures_here: bool = True,
     ) -> None:
         self.runner = runner
         self.order = order
+        self.device = steer.add.device
         self.functions = {
             "final_norm": unhooked(modules.final_norm),
             "lm_head": self._lm_head(modules, vocab_size),
         }
         self.traces: dict[str, TraceRun] = {}
+        self.requests: dict[str, Scheduled] = {}
+        self.scheduled: dict[str, int] = {}  # this step's requests -> tokens
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
         self.num_tokens = 0
+        self.python_step = False
+        self.stats = {"steps": 0, "uncompiled_steps": 0}
         self.raw_hooks: dict[str, list[Any]] = {}
-        self.fast = FastPath(order, captures_here=captures_here)
-        site_ops.HANDLERS.site = self.on_site
-        site_ops.HANDLERS.stream = self.on_stream
+        self.fast = FastPath(captures_here=captures_here)
+        self.steering = SteeringState(steer, order)
+        PYTHON.site = self.on_site
+        PYTHON.stream = self.on_stream
 
     @staticmethod
     def _lm_head(modules: SiteModules, vocab_size: int) -> Any:
@@ -73,13 +101,9 @@ class WorkerRuntime:
         """Register a trace; an error message (not an exception: the engine stays up)."""
         try:
             graph = from_wire(wire, self.order)
+            graph.tensors = [t.to(self.device) for t in graph.tensors]
             run = TraceRun(graph, make_plan(graph, self.order), self.functions)
             raw_sites = raw_sites_of(graph)
-            if raw_sites and not self.runner.model_config.enforce_eager:
-                return (
-                    "llm.raw sites need an engine started with enforce_eager=True: hooks "
-                    "cannot be added to the compiled model after it started"
-                )
             self.raw_hooks[trace_id] = install_raw_hooks(self.runner.model, raw_sites, self.on_raw)
         except (WireError, PlanError, UnknownSiteError) as exc:
             return str(exc)
@@ -101,55 +125,94 @@ class WorkerRuntime:
         return {"saved": saved, "failure": failure}
 
     # -- per step -----------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Map this step's requests to their rows (called before each forward)."""
-        self.slots, self.wanted = [], {}
-        runner = self.runner
-        num_reqs = runner.input_batch.num_reqs
-        offsets = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
-        self.num_tokens = offsets[-1]
-        fast_requests = []
-        for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
-            state = runner.requests[req_id]
-            extra_args = getattr(state.sampling_params, "extra_args", None) or {}
-            start, end = offsets[row], offsets[row + 1]
-            prompt_len = len(state.prompt_token_ids or [])
-            fast_requests.append(
-                (
-                    RowSpan(start, end, state.num_computed_tokens, prompt_len),
-                    extra_args.get(FAST_KEY),
-                )
-            )
-            traced = extra_args.get(EXTRA_ARGS_KEY)
-            if traced and traced["trace"] in self.traces:
-                self._add_slot(
-                    self.traces[traced["trace"]], int(traced["invoke"]), state, row, start, end
-                )
-        self.fast.begin_step(fast_requests)
+    def on_schedule(self, scheduler_output: Any) -> bool:
+        """Track the scheduled requests, plan steering; whether this step runs uncompiled."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = self._describe(new)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if req_id in self.requests:
+                self.requests[req_id].num_computed = computed
+        self.scheduled = dict(scheduler_output.num_scheduled_tokens)
+        python, steered = False, []
+        for req_id, num_tokens in self.scheduled.items():
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            python = python or self._needs_python(req, num_tokens)
+            specs = self.fast.steering_for(req.fast)
+            if specs:
+                positions = np.arange(req.num_computed, req.num_computed + num_tokens)
+                steered.append(SteeredRequest(req_id, positions, req.prompt_len, specs))
+        python = self.steering.plan(steered) or python
+        self.python_step = PYTHON.active = python
+        self.stats["steps"] += 1
+        self.stats["uncompiled_steps"] += python
+        return python
+
+    def _describe(self, new: Any) -> Scheduled:
+        extra = getattr(new.sampling_params, "extra_args", None) or {}
+        fast = decode_request(extra[FAST_KEY], self.order) if extra.get(FAST_KEY) else None
+        traced = extra.get(EXTRA_ARGS_KEY)
+        trace = (traced["trace"], int(traced["invoke"])) if traced else None
+        prompt_len = len(new.prompt_token_ids or [])
+        return Scheduled(prompt_len, new.num_computed_tokens, fast, trace)
+
+    def _needs_python(self, req: Scheduled, num_tokens: int) -> bool:
+        if req.trace is not None:
+            run = self.traces.get(req.trace[0])
+            if run is not None and run.works_at(req.trace[1], req.step(num_tokens)):
+                return True
+        capture = req.fast.capture if req.fast else None
+        end = req.num_computed + num_tokens
+        return capture is not None and capture.wants_any(req.num_computed, end, req.prompt_len)
+
+    def begin_step(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
+        """Rows of this step's requests in batch order: (req id, first row, end row)."""
+        self.steering.write(layout, num_tokens)
+        self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
+        if not self.python_step:
+            return
+        captures = []
+        for row, (req_id, start, end) in enumerate(layout):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.fast is not None and req.fast.capture is not None:
+                span = RowSpan(start, end, req.num_computed, req.prompt_len)
+                captures.append((span, req.fast.capture))
+            if req.trace is not None and req.trace[0] in self.traces:
+                self._add_slot(req, row, start, end)
+        self.fast.begin_capture_step(captures)
         for slot in self.slots:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
 
-    def _add_slot(
-        self, run: TraceRun, invoke: int, state: Any, row: int, start: int, end: int
-    ) -> None:
-        step = len(state.output_token_ids)
-        if step == 0 and end - start < len(state.prompt_token_ids or []):
+    def _add_slot(self, req: Scheduled, row: int, start: int, end: int) -> None:
+        trace_id, invoke = req.trace  # type: ignore[misc]
+        run = self.traces[trace_id]
+        step = req.step(end - start)
+        if step == 0 and (req.num_computed > 0 or end - start < req.prompt_len):
             if run.failure is None:
+                cause = (
+                    f"its first {req.num_computed} tokens came from vLLM's prefix cache"
+                    if req.num_computed
+                    else "it was split over several engine steps (chunked prefill); start "
+                    "the engine with max_num_batched_tokens of at least the prompt length"
+                )
                 run.failure = Failure(
-                    "",
-                    f"the prompt of invoke {invoke} was split over several engine steps "
-                    "(chunked prefill); start the engine with max_num_batched_tokens of at "
-                    "least the prompt length",
-                    invoke,
-                    0,
+                    "", f"the prompt of invoke {invoke} was not computed in one step: {cause}",
+                    invoke, 0,
                 )
             return
         self.slots.append(Slot(run, invoke, step, start, end, row))
 
     def on_site(self, site_id: int, x: torch.Tensor) -> torch.Tensor | None:
         site = self.order.sites[site_id]
-        out = self.fast.on_plain(site, x)
+        self.fast.record(site, x)
+        out = None
         for slot in self.wanted.get(site, ()):
             source = x if out is None else out
             new = slot.run.at_site(slot.invoke, slot.step, site, source[slot.start : slot.end])
@@ -162,7 +225,9 @@ class WorkerRuntime:
         self, site_id: int, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         site = self.order.sites[site_id]
-        out = self.fast.on_stream(site, hidden, residual)
+        if site in self.fast.capture_tables:
+            self.fast.record(site, hidden + residual)
+        out = None
         for slot in self.wanted.get(site, ()):
             h, r = (hidden, residual) if out is None else out
             rows = slice(slot.start, slot.end)

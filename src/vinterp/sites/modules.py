@@ -196,4 +196,5 @@ def find_site_modules(
 def unhooked(module: nn.Module) -> Any:
     """The module's class-level forward: bypasses hooks and vinterp's site wrappers, so
     applying a site module inside a trace (`llm.final_norm(x)`) does not re-enter the site."""
-    return lambda *args: type(module).forward(module, *args)
+    cls = getattr(type(module), "_vinterp_base", type(module))  # before vLLM sites were added
+    return lambda *args: cls.forward(module, *args)

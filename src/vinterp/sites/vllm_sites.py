@@ -1,8 +1,10 @@
-"""Puts the site ops into a loaded vLLM model (before it is compiled).
+"""Puts the sites into a loaded vLLM model (before it is compiled).
 
-Each site module's `forward` is wrapped on the instance, so module names and weights stay
-as vLLM built them (`llm.raw.<path>` still names vLLM's modules). Layouts, detected from the
-loaded modules:
+Each site module's class is swapped for a subclass whose method (usually `forward`) runs
+the site functions around the original, so module names and weights stay as vLLM built them
+(`llm.raw.<path>` still names vLLM's modules) and torch.compile traces the sites as part of
+the module, reaching the steering buffers through `self` like any weight. Layouts, detected
+from the loaded modules:
 - most sites hold the module's (tokens, H) tensor (a tuple output's first element);
 - blocks whose forward takes a `residual` pass (hidden, residual) between blocks, their sum
   being the HF residual stream (layer 0's input is the embedding alone).
@@ -11,84 +13,99 @@ loaded modules:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from vinterp.runtime import site_ops
+from vinterp.fastpath.steer_buffers import SteerBuffers
+from vinterp.runtime.site_ops import plain_site, stream_site
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import SiteOrder
 
 _HIDDEN_KWARGS = ("hidden_states", "x")
+BUFFERS_NAME = "vinterp_steer"
 
 
-def _wrap(owner: Any, method: str, wrapper: Callable[..., Any]) -> None:
-    inner = getattr(owner, method)
-    setattr(owner, method, lambda *args, **kwargs: wrapper(inner, *args, **kwargs))
+@dataclass
+class SiteIO:
+    """The sites of one method of one module: on its input, its output, or the residual
+    stream of a block that takes and returns (hidden, residual)."""
+
+    input_id: int | None = None
+    output_id: int | None = None
+    stream: bool = False
 
 
-def _input_site(module: nn.Module, site_id: int) -> None:
-    """Site on the hidden-state argument: keyword `hidden_states`/`x`, else the first one."""
-
-    def forward(inner: Any, *args: Any, **kwargs: Any) -> Any:
+def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
+    steer = getattr(module, BUFFERS_NAME)
+    if io.stream:
+        positions, hidden, residual = args
+        if residual is None:
+            hidden = plain_site(steer, io.input_id, hidden)
+        else:
+            hidden, residual = stream_site(steer, io.input_id, hidden, residual)
+        hidden, residual = inner(module, positions, hidden, residual, **kwargs)
+        return stream_site(steer, io.output_id, hidden, residual)
+    if io.input_id is not None:
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
-            kwargs[key] = torch.ops.vinterp.site(kwargs[key], site_id)
+            kwargs = {**kwargs, key: plain_site(steer, io.input_id, kwargs[key])}
         else:
-            args = (torch.ops.vinterp.site(args[0], site_id), *args[1:])
-        return inner(*args, **kwargs)
-
-    _wrap(module, "forward", forward)
-
-
-def _output_site(owner: Any, site_id: int, method: str = "forward") -> None:
-    def forward(inner: Any, *args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        if isinstance(out, tuple):
-            return (torch.ops.vinterp.site(out[0], site_id), *out[1:])
-        return torch.ops.vinterp.site(out, site_id)
-
-    _wrap(owner, method, forward)
+            args = (plain_site(steer, io.input_id, args[0]), *args[1:])
+    out = inner(module, *args, **kwargs)
+    if io.output_id is None:
+        return out
+    if isinstance(out, tuple):
+        return (plain_site(steer, io.output_id, out[0]), *out[1:])
+    return plain_site(steer, io.output_id, out)
 
 
-def _stream_sites(layer: nn.Module, input_id: int, output_id: int) -> None:
-    def forward(inner: Any, positions: Any, hidden: Any, residual: Any, **kwargs: Any) -> Any:
-        if residual is None:
-            hidden = torch.ops.vinterp.site(hidden, input_id)
-        else:
-            hidden, residual = torch.ops.vinterp.stream(hidden, residual, input_id)
-        hidden, residual = inner(positions, hidden, residual, **kwargs)
-        return torch.ops.vinterp.stream(hidden, residual, output_id)
+_SUBCLASSES: dict[tuple[type, str], type] = {}
 
-    _wrap(layer, "forward", forward)
+
+def _site_class(cls: type, method: str) -> type:
+    """`cls` with `method` running its sites (one subclass per class and method)."""
+    if (cls, method) not in _SUBCLASSES:
+        inner = getattr(cls, method)
+
+        def with_sites(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _call_with_sites(self, self._vinterp_io, inner, args, kwargs)
+
+        attrs = {method: with_sites, "_vinterp_base": cls}
+        _SUBCLASSES[cls, method] = type(cls.__name__, (cls,), attrs)
+    return _SUBCLASSES[cls, method]
+
+
+def _add_sites(module: nn.Module, steer: SteerBuffers, method: str = "forward", **io: Any) -> None:
+    if getattr(module, "_vinterp_io", None) is None:
+        module.__class__ = _site_class(type(module), method)
+        module._vinterp_io = SiteIO()
+        module.add_module(BUFFERS_NAME, steer)
+    for key, value in io.items():
+        setattr(module._vinterp_io, key, value)
 
 
 def _passes_residual(layer: nn.Module) -> bool:
     return "residual" in inspect.signature(layer.forward).parameters
 
 
-def install_vllm_sites(modules: SiteModules, order: SiteOrder) -> None:
-    """Wrap every site module of a vLLM model with the site ops."""
-    assert site_ops.LIBRARY is not None  # registers torch.ops.vinterp.*
-    _output_site(modules.embed, order["embed.output"], modules.embed_method)
+def install_vllm_sites(modules: SiteModules, order: SiteOrder, steer: SteerBuffers) -> None:
+    """Give every site module of a vLLM model its sites, all reading `steer`."""
+    _add_sites(modules.embed, steer, modules.embed_method, output_id=order["embed.output"])
     for i, layer in enumerate(modules.layers):
         if not modules.holds_layer(layer):
             continue
-        inner_modules = [
-            (modules.attn(layer), "attn.input", "attn.output"),
-            (modules.mlp_input(layer), "mlp.input", None),
-            (modules.mlp_output(layer), None, "mlp.output"),
-        ]
-        for module, input_site, output_site in inner_modules:
-            if input_site:
-                _input_site(module, order[f"layers.{i}.{input_site}"])
-            if output_site:
-                _output_site(module, order[f"layers.{i}.{output_site}"])
-        if _passes_residual(layer):
-            _stream_sites(layer, order[f"layers.{i}.input"], order[f"layers.{i}.output"])
-        else:
-            _input_site(layer, order[f"layers.{i}.input"])
-            _output_site(layer, order[f"layers.{i}.output"])
-    _output_site(modules.final_norm, order["final_norm.output"])
+        stream = _passes_residual(layer)
+        _add_sites(modules.attn(layer), steer, input_id=order[f"layers.{i}.attn.input"])
+        _add_sites(modules.attn(layer), steer, output_id=order[f"layers.{i}.attn.output"])
+        _add_sites(modules.mlp_input(layer), steer, input_id=order[f"layers.{i}.mlp.input"])
+        _add_sites(modules.mlp_output(layer), steer, output_id=order[f"layers.{i}.mlp.output"])
+        _add_sites(
+            layer,
+            steer,
+            input_id=order[f"layers.{i}.input"],
+            output_id=order[f"layers.{i}.output"],
+            stream=stream,
+        )
+    _add_sites(modules.final_norm, steer, output_id=order["final_norm.output"])

@@ -1,0 +1,148 @@
+"""How vinterp follows each step of vLLM's model runners (V1, its CPU subclass, and V2).
+
+Every runner gets the same four hooks, placed where that runner exposes them:
+- the scheduler's output, before the step's graph mode is chosen (`execute_model`):
+  `runtime.on_schedule` plans steering and says whether the step runs uncompiled;
+- the graph-mode choice: an uncompiled step is forced out of CUDA graphs (V1:
+  `_determine_batch_execution_and_padding(force_eager=...)`, V2: `dispatch_cg_and_sync_dp(
+  need_eager=...)`) and the model's forward skips the compiled code (vLLM's own
+  `skip_compiled` switch), so the Python at the sites runs;
+- the batch layout, once the runner has built it: `runtime.begin_step`;
+- logits and sampled tokens, outside the model (`compute_logits`, the sampler).
+A runner of another kind is refused at engine start: running it without these hooks would
+silently skip interventions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vinterp.runtime.vllm_runtime import WorkerRuntime
+
+V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+class UnsupportedRunnerError(RuntimeError):
+    pass
+
+
+def runner_kind(runner: Any) -> str:
+    """"v1" (GPU V1 runner and vLLM's CPU runner), "v2", or UnsupportedRunnerError."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if isinstance(runner, GPUModelRunner):
+        return "v1"
+    if type(runner).__module__ == V2_MODULE:
+        return "v2"
+    raise UnsupportedRunnerError(
+        f"vinterp cannot instrument vLLM's {type(runner).__module__}.{type(runner).__name__}; "
+        "its interventions would be skipped. Supported: the V1 and V2 GPU model runners and "
+        "the CPU runner (set VLLM_USE_V2_MODEL_RUNNER=0 or 1 to pick a GPU runner)"
+    )
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(make(original)))
+
+
+def instrument(runner: Any, runtime: WorkerRuntime) -> None:
+    kind = runner_kind(runner)
+
+    def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("dummy_run", False):
+                runtime.on_schedule(scheduler_output)
+            return original(scheduler_output, *args, **kwargs)
+
+        return run
+
+    _wrap(runner, "execute_model", execute_model)
+    model = runner.get_model()
+
+    def skip_compiled(module: Any, args: Any, kwargs: Any) -> None:
+        if runtime.python_step:
+            from vllm.forward_context import get_forward_context
+
+            get_forward_context().skip_compiled = True
+
+    model.register_forward_pre_hook(skip_compiled, with_kwargs=True)
+    compute_logits = model.compute_logits
+
+    def logits_with_sites(hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = compute_logits(hidden_states)
+        return None if logits is None else runtime.on_logits(logits)
+
+    model.compute_logits = logits_with_sites
+    (_instrument_v1 if kind == "v1" else _instrument_v2)(runner, runtime)
+
+
+def _instrument_v1(runner: Any, runtime: WorkerRuntime) -> None:
+    def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            num_reqs = runner.input_batch.num_reqs
+            offsets = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+            req_ids = runner.input_batch.req_ids[:num_reqs]
+            layout = [(r, offsets[i], offsets[i + 1]) for i, r in enumerate(req_ids)]
+            runtime.begin_step(layout, offsets[-1])
+            return result
+
+        return run
+
+    def batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            kwargs["force_eager"] = kwargs.get("force_eager", False) or runtime.python_step
+            return original(*args, **kwargs)
+
+        return run
+
+    _wrap(runner, "_prepare_inputs", prepare_inputs)
+    _wrap(runner, "_determine_batch_execution_and_padding", batch_execution)
+    if getattr(runner, "sampler", None) is not None:
+        runner.sampler.register_forward_hook(
+            lambda module, args, out: runtime.on_samples(out.sampled_token_ids[:, 0])
+        )
+
+
+def _instrument_v2(runner: Any, runtime: WorkerRuntime) -> None:
+    import importlib
+
+    def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            batch = original(*args, **kwargs)
+            offsets = batch.query_start_loc_np.tolist()
+            layout = [(r, offsets[i], offsets[i + 1]) for i, r in enumerate(batch.req_ids)]
+            runtime.begin_step(layout, batch.num_tokens)
+            return batch
+
+        return run
+
+    def sample(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            runtime.on_samples(result[0].sampled_token_ids[:, 0])
+            return result
+
+        return run
+
+    _wrap(runner, "prepare_inputs", prepare_inputs)
+    _wrap(runner, "sample", sample)
+    module = importlib.import_module(V2_MODULE)
+    if not getattr(module.dispatch_cg_and_sync_dp, "_vinterp", False):
+
+        def dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                from vinterp.runtime.site_ops import PYTHON
+
+                kwargs["need_eager"] = kwargs.get("need_eager", False) or PYTHON.active
+                return original(*args, **kwargs)
+
+            run._vinterp = True  # type: ignore[attr-defined]
+            return run
+
+        _wrap(module, "dispatch_cg_and_sync_dp", dispatch)

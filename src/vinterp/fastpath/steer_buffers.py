@@ -1,0 +1,82 @@
+"""Steering inside the compiled model: persistent tables read by plain tensor ops.
+
+A CUDA-graph replay runs the kernels recorded at capture and no Python, so per-step steering
+cannot be a decision made at the site. Instead every site computes
+
+    out = x + add[row] + |x| * unit[row],   row = site_rows[token_combo[t], site]
+
+from buffers at fixed addresses that the runner fills before each step, outside the graph:
+`token_combo` says which combination of steering specs applies to each token of the flat
+batch, `site_rows` which table row that combination adds at each site, `add`/`unit` hold the
+summed plain and norm-matched vectors. Row 0 of both tables is zero and combination 0 maps
+every site to row 0, so an unsteered token gets exactly `x + 0`. The ops are ordinary tensor
+ops, so torch.compile fuses them into the neighbouring kernels (the norm and residual adds
+around every site) rather than adding a pass over the activations.
+
+The buffers are registered on the model (as a submodule of every site module), so the
+compiled graph takes them as inputs like weights: updates are seen without recompiling, also
+when vLLM loads the compiled graph from its cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SteerTables:
+    """The four tensors the site formula reads (the persistent buffers, or larger ones for
+    a step whose steering does not fit them: such a step runs uncompiled)."""
+
+    token_combo: torch.Tensor  # (tokens,) int64
+    site_rows: torch.Tensor  # (combos, sites) int64
+    add: torch.Tensor  # (rows, H) model dtype
+    unit: torch.Tensor  # (rows, H) model dtype
+
+
+class SteerBuffers(nn.Module):
+    def __init__(
+        self,
+        num_sites: int,
+        hidden_size: int,
+        max_tokens: int,
+        max_combos: int,
+        max_rows: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.register_buffer("token_combo", zeros(max_tokens), persistent=False)
+        self.register_buffer("site_rows", zeros(max_combos, num_sites), persistent=False)
+        self.register_buffer("add", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
+        self.register_buffer("unit", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
+        self.overflow: SteerTables | None = None  # set only for steps run uncompiled
+        self.active = False  # whether any token is steered this step
+
+    def tables(self) -> SteerTables:
+        """The tables this step reads; under torch.compile always the persistent buffers."""
+        if not torch.compiler.is_compiling() and self.overflow is not None:
+            return self.overflow
+        return SteerTables(self.token_combo, self.site_rows, self.add, self.unit)
+
+    def forward(
+        self, site_id: int, x: torch.Tensor, norm_of: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x plus this step's steering at `site_id`; `norm_of` is the tensor whose row norms
+        scale norm-matched vectors (the residual stream when x is one of its two parts).
+        An uncompiled step with no steering skips the ops (Python may decide there)."""
+        if not torch.compiler.is_compiling() and not self.active:
+            return x
+        t = self.tables()
+        rows = t.site_rows[t.token_combo[: x.shape[0]], site_id]
+        source = x if norm_of is None else norm_of
+        norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
+        delta = t.add[rows].float() + norm * t.unit[rows].float()
+        return x + delta.to(x.dtype)

@@ -1,0 +1,180 @@
+"""Host side of in-graph steering: per step, which spec combination each token gets and what
+each combination adds at each site, written into the persistent buffers before the forward.
+
+`plan` runs when the scheduler's batch is known (before vLLM picks the graph mode, so a step
+whose steering does not fit the buffers can be run uncompiled with larger tables); `write`
+runs once the runner has laid the batch out, and copies only what changed: the per-token
+combination ids when any token is steered (or was last step), the tables when the set of
+combinations changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vinterp.fastpath.specs import SteerSpec
+from vinterp.fastpath.steer_buffers import SteerBuffers, SteerTables
+from vinterp.sites.names import SiteOrder
+
+
+@dataclass
+class SteeredRequest:
+    """One scheduled request's steering this step: its positions and its specs in order."""
+
+    req_id: str
+    positions: np.ndarray
+    prompt_len: int
+    specs: list[SteerSpec]
+
+
+@dataclass
+class SteerPlan:
+    combos: dict[str, np.ndarray]  # req id -> combination id of each of its tokens this step
+    key: tuple[tuple[int, ...], ...]  # the combinations (spec serials), in id order
+    site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
+    add: torch.Tensor | None = None
+    unit: torch.Tensor | None = None
+
+    def fits(self, buffers: SteerBuffers) -> bool:
+        assert self.site_rows is not None and self.add is not None
+        return (
+            len(self.site_rows) <= buffers.site_rows.shape[0]
+            and len(self.add) <= buffers.add.shape[0]
+        )
+
+
+_GENERATED: dict[tuple[int, ...], list[SteerSpec]] = {}
+
+
+def _generated_specs(req: SteeredRequest) -> list[SteerSpec]:
+    """The specs that steer generated tokens (the same for all of them), memoized: most
+    steps are decode steps, and this keeps their planning to a dictionary lookup."""
+    key = tuple(s.serial for s in req.specs)
+    if key not in _GENERATED:
+        if len(_GENERATED) > 4096:
+            _GENERATED.clear()
+        at = np.array([req.prompt_len])
+        _GENERATED[key] = [s for s in req.specs if s.applies(at, req.prompt_len)[0]]
+    return _GENERATED[key]
+
+
+def _combinations(requests: list[SteeredRequest]) -> tuple[dict[str, np.ndarray], dict]:
+    """Per request, a combination id per token; and each combination's specs (id 0: none)."""
+    combos: dict[tuple[int, ...], int] = {(): 0}
+    specs_of: dict[int, list[SteerSpec]] = {0: []}
+    per_request = {}
+    for req in requests:
+        if req.positions[0] >= req.prompt_len:
+            chosen = _generated_specs(req)
+            key = tuple(s.serial for s in chosen)
+            if key not in combos:
+                combos[key] = len(combos)
+                specs_of[combos[key]] = chosen
+            per_request[req.req_id] = np.full(len(req.positions), combos[key])
+            continue
+        masks = np.stack([s.applies(req.positions, req.prompt_len) for s in req.specs])
+        codes = np.zeros(len(req.positions), dtype=np.int64)
+        for bit, mask in enumerate(masks):  # a token's code: which of the specs apply to it
+            codes |= mask.astype(np.int64) << bit
+        ids = np.zeros_like(codes)
+        for code in np.unique(codes):
+            chosen = [s for bit, s in enumerate(req.specs) if code >> bit & 1]
+            key = tuple(s.serial for s in chosen)
+            if key not in combos:
+                combos[key] = len(combos)
+                specs_of[combos[key]] = chosen
+            ids[codes == code] = combos[key]
+        per_request[req.req_id] = ids
+    return per_request, {tuple(k): specs_of[v] for k, v in combos.items()}
+
+
+def _tables(
+    specs_by_combo: list[list[SteerSpec]], order: SiteOrder, hidden_size: int
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """site_rows and the summed plain (add) and norm-matched (unit) vectors, row 0 zero."""
+    site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
+    adds, units = [torch.zeros(hidden_size)], [torch.zeros(hidden_size)]
+    for combo, specs in enumerate(specs_by_combo):
+        for site in dict.fromkeys(s for spec in specs for s in spec.vectors):
+            add, unit = torch.zeros(hidden_size), torch.zeros(hidden_size)
+            for spec in specs:
+                if site in spec.vectors:
+                    target = unit if spec.norm_match else add
+                    target += spec.scaled(site)
+            site_rows[combo, order[site]] = len(adds)
+            adds.append(add)
+            units.append(unit)
+    return site_rows, torch.stack(adds), torch.stack(units)
+
+
+@dataclass
+class SteeringState:
+    """Plans each step's steering and keeps the persistent buffers up to date."""
+
+    buffers: SteerBuffers
+    order: SiteOrder
+    plan_: SteerPlan | None = None
+    _loaded_key: tuple | None = field(default=None)
+    _steered_tokens: int = 0  # length of token_combo written last step (0: all zero)
+
+    def plan(self, requests: list[SteeredRequest]) -> bool:
+        """Plan this step; True when it must run uncompiled (tables too large)."""
+        self.buffers.overflow = None
+        self.buffers.active = bool(requests)
+        if not requests:
+            self.plan_ = None
+            return False
+        combos, specs_by_key = _combinations(requests)
+        plan = SteerPlan(combos, tuple(specs_by_key))
+        if plan.key != self._loaded_key:
+            hidden = self.buffers.add.shape[1]
+            plan.site_rows, plan.add, plan.unit = _tables(
+                list(specs_by_key.values()), self.order, hidden
+            )
+            if not plan.fits(self.buffers):
+                self._loaded_key = None
+                self.plan_ = plan
+                return True
+        self.plan_ = plan
+        return False
+
+    def write(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
+        """Fill the buffers for this step's batch: (req id, first row, end row) per request."""
+        plan = self.plan_
+        if plan is None:
+            if self._steered_tokens:
+                self.buffers.token_combo[: self._steered_tokens].zero_()
+                self._steered_tokens = 0
+            return
+        token_combo = np.zeros(max(num_tokens, self._steered_tokens), dtype=np.int64)
+        for req_id, start, end in layout:
+            ids = plan.combos.get(req_id)
+            if ids is not None:
+                token_combo[start:end] = ids
+        buffers = self.buffers
+        if plan.site_rows is not None and not plan.fits(buffers):
+            buffers.overflow = SteerTables(
+                torch.from_numpy(token_combo).to(buffers.token_combo.device),
+                torch.from_numpy(plan.site_rows).to(buffers.site_rows.device),
+                plan.add.to(buffers.add),  # type: ignore[union-attr]
+                plan.unit.to(buffers.unit),  # type: ignore[union-attr]
+            )
+            return
+        if plan.site_rows is not None:
+            _upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
+            _upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
+            _upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
+            self._loaded_key = plan.key
+        _upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
+        self._steered_tokens = num_tokens
+
+
+def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host-to-device copy that does not wait for the device (pinned source on a GPU)."""
+    if dst.device.type == "cpu":
+        dst.copy_(src)
+    else:
+        dst.copy_(src.pin_memory(), non_blocking=True)
