@@ -50,7 +50,7 @@ class LLM:
         self.config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         check_site_paths(self.config.model_type, sites)  # before any engine starts
-        dtype = engine_kwargs.pop("dtype", None) or _checkpoint_dtype(self.config)
+        dtype = engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
@@ -179,6 +179,7 @@ class LLM:
         self.shutdown()
 
 
-def _checkpoint_dtype(config: Any) -> str:
+def checkpoint_dtype(config: Any) -> str:
+    """The checkpoint's own dtype name: what both backends (and the bench) load by default."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return str(dtype).removeprefix("torch.")

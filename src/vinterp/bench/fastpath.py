@@ -34,9 +34,9 @@ def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
         return dtype
     from transformers import AutoConfig
 
-    from vinterp.api.llm import _checkpoint_dtype
+    from vinterp.api.llm import checkpoint_dtype
 
-    return _checkpoint_dtype(AutoConfig.from_pretrained(str(model)))
+    return checkpoint_dtype(AutoConfig.from_pretrained(str(model)))
 
 
 @contextmanager

@@ -37,13 +37,7 @@ class SteerPlan:
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
-
-    def fits(self, buffers: SteerBuffers) -> bool:
-        assert self.site_rows is not None and self.add is not None
-        return (
-            len(self.site_rows) <= buffers.site_rows.shape[0]
-            and len(self.add) <= buffers.add.shape[0]
-        )
+    overflow: bool = False  # the tables do not fit the persistent buffers
 
 
 _GENERATED: dict[tuple[int, ...], list[SteerSpec]] = {}
@@ -61,34 +55,36 @@ def _generated_specs(req: SteeredRequest) -> list[SteerSpec]:
     return _GENERATED[key]
 
 
-def _combinations(requests: list[SteeredRequest]) -> tuple[dict[str, np.ndarray], dict]:
-    """Per request, a combination id per token; and each combination's specs (id 0: none)."""
-    combos: dict[tuple[int, ...], int] = {(): 0}
-    specs_of: dict[int, list[SteerSpec]] = {0: []}
+def _combinations(
+    requests: list[SteeredRequest],
+) -> tuple[dict[str, np.ndarray], dict[tuple[int, ...], list[SteerSpec]]]:
+    """Per request, a combination id per token; and each combination's specs, keyed by
+    their serials, in id order (id 0: none)."""
+    combos: dict[tuple[int, ...], list[SteerSpec]] = {(): []}
+    ids: dict[tuple[int, ...], int] = {(): 0}
+
+    def combo_id(chosen: list[SteerSpec]) -> int:
+        key = tuple(s.serial for s in chosen)
+        if key not in ids:
+            ids[key] = len(combos)
+            combos[key] = chosen
+        return ids[key]
+
     per_request = {}
     for req in requests:
         if req.positions[0] >= req.prompt_len:
-            chosen = _generated_specs(req)
-            key = tuple(s.serial for s in chosen)
-            if key not in combos:
-                combos[key] = len(combos)
-                specs_of[combos[key]] = chosen
-            per_request[req.req_id] = np.full(len(req.positions), combos[key])
+            per_request[req.req_id] = np.full(len(req.positions), combo_id(_generated_specs(req)))
             continue
         masks = np.stack([s.applies(req.positions, req.prompt_len) for s in req.specs])
         codes = np.zeros(len(req.positions), dtype=np.int64)
         for bit, mask in enumerate(masks):  # a token's code: which of the specs apply to it
             codes |= mask.astype(np.int64) << bit
-        ids = np.zeros_like(codes)
+        token_ids = np.zeros_like(codes)
         for code in np.unique(codes):
             chosen = [s for bit, s in enumerate(req.specs) if code >> bit & 1]
-            key = tuple(s.serial for s in chosen)
-            if key not in combos:
-                combos[key] = len(combos)
-                specs_of[combos[key]] = chosen
-            ids[codes == code] = combos[key]
-        per_request[req.req_id] = ids
-    return per_request, {tuple(k): specs_of[v] for k, v in combos.items()}
+            token_ids[codes == code] = combo_id(chosen)
+        per_request[req.req_id] = token_ids
+    return per_request, combos
 
 
 def _tables(
@@ -127,19 +123,21 @@ class SteeringState:
         if not requests:
             self.plan_ = None
             return False
-        combos, specs_by_key = _combinations(requests)
-        plan = SteerPlan(combos, tuple(specs_by_key))
+        per_request, combos = _combinations(requests)
+        plan = SteerPlan(per_request, tuple(combos))
         if plan.key != self._loaded_key:
-            hidden = self.buffers.add.shape[1]
+            buffers = self.buffers
             plan.site_rows, plan.add, plan.unit = _tables(
-                list(specs_by_key.values()), self.order, hidden
+                list(combos.values()), self.order, buffers.add.shape[1]
             )
-            if not plan.fits(self.buffers):
+            plan.overflow = (
+                len(plan.site_rows) > buffers.site_rows.shape[0]
+                or len(plan.add) > buffers.add.shape[0]
+            )
+            if plan.overflow:
                 self._loaded_key = None
-                self.plan_ = plan
-                return True
         self.plan_ = plan
-        return False
+        return plan.overflow
 
     def write(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
         """Fill the buffers for this step's batch: (req id, first row, end row) per request."""
@@ -155,7 +153,7 @@ class SteeringState:
             if ids is not None:
                 token_combo[start:end] = ids
         buffers = self.buffers
-        if plan.site_rows is not None and not plan.fits(buffers):
+        if plan.overflow:
             buffers.overflow = SteerTables(
                 torch.from_numpy(token_combo).to(buffers.token_combo.device),
                 torch.from_numpy(plan.site_rows).to(buffers.site_rows.device),

@@ -83,7 +83,6 @@ class WorkerRuntime:
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
         self.num_tokens = 0
-        self.python_step = False
         self.stats = {"steps": 0, "uncompiled_steps": 0}
         self.raw_hooks: dict[str, list[Any]] = {}
         self.fast = FastPath(captures_here=captures_here)
@@ -124,6 +123,11 @@ class WorkerRuntime:
         saved = {node: _encode_saved(value) for node, value in run.results().items()}
         return {"saved": saved, "failure": failure}
 
+    @property
+    def python_step(self) -> bool:
+        """Whether this step runs uncompiled, with Python at the sites."""
+        return PYTHON.active
+
     # -- per step -----------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> bool:
         """Track the scheduled requests, plan steering; whether this step runs uncompiled."""
@@ -147,7 +151,7 @@ class WorkerRuntime:
                 positions = np.arange(req.num_computed, req.num_computed + num_tokens)
                 steered.append(SteeredRequest(req_id, positions, req.prompt_len, specs))
         python = self.steering.plan(steered) or python
-        self.python_step = PYTHON.active = python
+        PYTHON.active = python
         self.stats["steps"] += 1
         self.stats["uncompiled_steps"] += python
         return python
