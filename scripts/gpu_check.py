@@ -97,8 +97,10 @@ def run_steering(llm: Any, st: Any) -> dict[str, list[list[int]]]:
     before = llm.step_stats()
     tokens["steered"] = gen(PROMPTS, steering=st)
     after = llm.step_stats()
-    log(f"  steered generate: {after['steps'] - before['steps']} steps, "
-        f"{after['uncompiled_steps'] - before['uncompiled_steps']} of them uncompiled")
+    log(
+        f"  steered generate: {after['steps'] - before['steps']} steps, "
+        f"{after['uncompiled_steps'] - before['uncompiled_steps']} of them uncompiled"
+    )
     mixed = [vinterp.Request(p, steering=st) if i % 2 == 0 else p for i, p in enumerate(PROMPTS)]
     tokens["mixed"] = gen(mixed)
     llm.steering.register("s", st)

@@ -31,7 +31,7 @@ class UnsupportedRunnerError(RuntimeError):
 
 
 def runner_kind(runner: Any) -> str:
-    """"v1" (GPU V1 runner and vLLM's CPU runner), "v2", or UnsupportedRunnerError."""
+    """ "v1" (GPU V1 runner and vLLM's CPU runner), "v2", or UnsupportedRunnerError."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if isinstance(runner, GPUModelRunner):

@@ -207,8 +207,10 @@ class WorkerRuntime:
                     "the engine with max_num_batched_tokens of at least the prompt length"
                 )
                 run.failure = Failure(
-                    "", f"the prompt of invoke {invoke} was not computed in one step: {cause}",
-                    invoke, 0,
+                    "",
+                    f"the prompt of invoke {invoke} was not computed in one step: {cause}",
+                    invoke,
+                    0,
                 )
             return
         self.slots.append(Slot(run, invoke, step, start, end, row))
