@@ -151,3 +151,49 @@ def test_site_order_and_globs() -> None:
     assert SITES.expand("layers.*.output") == [f"layers.{i}.output" for i in range(4)]
     with pytest.raises(UnknownSiteError, match="unknown site 'layers.1.resid'"):
         SITES["layers.1.resid"]
+
+
+def _cross_stage_graph() -> Graph:
+    """Invoke 0 reads layer 0 and writes layer 3 from it; invoke 1 writes layer 2 from invoke
+    0's layer-1 value. With stages split after layer 1, two values must travel forward."""
+    g = Graph(invokes=[Invoke([1, 2], {}), Invoke([3, 4], {})])
+    early = g.add(Node("read", "layers.0.output", [], {}, 0))
+    doubled = g.add(Node("call", "op.mul", [ref(early), 2.0], {}, 0))
+    g.add(Node("write", "layers.3.output", [ref(doubled)], {}, 0))
+    source = g.add(Node("read", "layers.1.output", [], {}, 0))
+    g.saves.append(source)
+    g.add(Node("write", "layers.2.output", [ref(source)], {}, 1))
+    return g
+
+
+def test_stage_exports_are_the_values_a_later_stage_consumes() -> None:
+    from vinterp.runtime.executor import TraceRun
+    from vinterp.runtime.pipeline import exports_of
+
+    order = SiteOrder(4)
+    graph = _cross_stage_graph()
+    run = TraceRun(graph, make_plan(graph, order), {})
+    # stage 0 holds layers 0-1: invoke 0 sends its doubled value (not the raw read, which
+    # only the mul on stage 0 consumes); invoke 1 needs invoke 0's layer-1 read
+    assert exports_of(run, order["layers.1.output"]) == {0: [1], 1: [3]}
+    assert exports_of(run, order["layers.2.output"]) == {0: [1]}  # a split after layer 2
+    assert exports_of(run, order["layers.3.output"]) == {}  # nothing is consumed later
+
+
+def test_plan_runs_model_functions_on_the_last_stage() -> None:
+    order = SiteOrder(4)
+    g = Graph(invokes=[Invoke([1, 2], {})])
+    early = g.add(Node("read", "layers.0.output", [], {}, 0))
+    lens = g.add(Node("call", "model.lm_head", [ref(early)], {}, 0))
+    g.saves.append(lens)
+    plan = make_plan(g, order)
+    assert plan.schedule == {(0, "layers.0.output"): [0, 1]}
+    staged = make_plan(g, order, last_stage_start=2)  # stages: layers 0-1 | 2-3
+    assert staged.schedule[(0, "layers.2.input")] == [1]
+    g.add(Node("write", "layers.1.output", [ref(lens)], {}, 0))
+    make_plan(g, order)  # one device: the logit lens may steer a later layer
+    with pytest.raises(PlanError, match="last pipeline stage") as info:
+        make_plan(g, order, last_stage_start=2)
+    assert info.value.out_of_order
+    g.nodes[-1].target = "layers.2.output"  # on the last stage: allowed
+    assert make_plan(g, order, last_stage_start=2).schedule[(0, "layers.2.output")] == [2]

@@ -1,9 +1,12 @@
-"""Tensor and pipeline parallelism on the CPU give the single-worker greedy tokens."""
+"""Tensor and pipeline parallelism on the CPU give the single-worker results: greedy tokens,
+every site, logits, the logit lens, parameters (gathered to their HF shapes), raw sharded
+values, steering and capture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import vinterp
 
@@ -28,6 +31,47 @@ def fast_path_results(llm):
     return [o.token_ids for o in outs], [o.captures for o in outs], (first, last)
 
 
+MIDDLE = 2
+UPPER_TOKEN = 400  # in the vocabulary half that the second TP rank holds (tiny vocab: 512)
+PROJECTIONS = [
+    f"{block}.{proj}"
+    for block, projs in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+    for proj in (f"{p}_proj" for p in projs)
+]
+
+
+def probe(llm, raw: bool = True) -> dict:
+    """Every layer's sites, logits, a logit lens, parameters and (vLLM) raw sharded values."""
+    saved = {}
+    with llm.trace(PROMPTS[0], max_tokens=3):
+        for i, layer in enumerate(llm.layers):
+            saved[f"layers.{i}.output"] = layer.output.save()
+            saved[f"layers.{i}.attn.output"] = layer.attn.output.save()
+            saved[f"layers.{i}.mlp.output"] = layer.mlp.output.save()
+        saved["logits"] = llm.logits.save()
+        saved["lens"] = llm.unembed(llm.layers[MIDDLE].output).save()
+        saved["lm_head row"] = llm.lm_head.weight[UPPER_TOKEN].save()
+        saved["embed.weight"] = llm.embed.weight.save()
+        for name in PROJECTIONS:
+            block, proj = name.split(".")
+            saved[name] = getattr(getattr(llm.layers[0], block), proj).weight.save()
+        if raw:
+            saved["raw qkv"] = llm.raw.model.layers[0].self_attn.qkv_proj.output.save()
+            saved["raw down input"] = llm.raw.model.layers[0].mlp.down_proj.input.save()
+    return {k: v[0] if isinstance(v, list) else v for k, v in saved.items()}
+
+
+def steered_by_lm_head_row(llm) -> tuple[list[int], list[int]]:
+    """Greedy tokens without and with a write built from lm_head.weight inside the trace."""
+    with llm.trace(PROMPTS[1], max_tokens=6) as plain:
+        pass
+    with llm.trace(PROMPTS[1], max_tokens=6) as steered:
+        direction = llm.lm_head.weight[UPPER_TOKEN]
+        h = llm.layers[MIDDLE].output
+        llm.layers[MIDDLE].output[-1] = h[-1] + 8 * h[-1].norm() * direction / direction.norm()
+    return plain.outputs[0].token_ids, steered.outputs[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def single_worker_tokens(engines, tiny_llama):
     outs = engines.vllm(tiny_llama).generate(PROMPTS, **SAMPLING)
@@ -39,10 +83,99 @@ def single_worker_fast(engines, tiny_llama, single_worker_tokens):
     return fast_path_results(engines.vllm(tiny_llama))
 
 
+def cross_stage(llm) -> dict:
+    """Traces whose values cross the PP=2 split of the tiny llama (layers 0-1 | 2-3)."""
+    out = {}
+    with llm.trace(PROMPTS[0], max_tokens=4) as tr:
+        out["arithmetic"] = (llm.layers[3].output - llm.layers[0].output).norm(dim=-1).save()
+    with llm.trace(PROMPTS[0], max_tokens=4) as tr:  # a stage-0 value written on stage 1
+        llm.layers[2].output[-1] = llm.layers[1].output[-1]
+        out["patched logits"] = llm.logits.save()
+    out["patched tokens"] = tr.outputs[0].token_ids
+    with llm.trace(PROMPTS[0], max_tokens=4) as tr:  # ablation on each stage
+        llm.layers[0].mlp.output = llm.layers[0].mlp.output * 0
+        llm.layers[3].attn.output = llm.layers[3].attn.output * 0
+        out["ablated logits"] = llm.logits.save()
+    out["ablated tokens"] = tr.outputs[0].token_ids
+    with llm.trace(PROMPTS[1], max_tokens=4) as tr:  # a direction read early, added late
+        direction = llm.layers[1].output[-1] - llm.layers[0].output[-1]
+        llm.layers[3].output[-1] = llm.layers[3].output[-1] + 6 * direction
+    out["steered tokens"] = tr.outputs[0].token_ids
+    with llm.trace(PROMPTS[2], max_tokens=4) as tr:  # every step, across the split
+        logits = []
+        for _ in tr.iter[:]:
+            llm.layers[2].output = llm.layers[2].output + 0.5 * llm.layers[1].output
+            logits.append(llm.logits.save())
+    out["iter logits"] = torch.cat([torch.cat(x) for x in logits])
+    out["iter tokens"] = tr.outputs[0].token_ids
+    with llm.trace(max_tokens=3) as tr:  # one invoke patches another across the split
+        with tr.invoke(PROMPTS[0]):
+            source = llm.layers[1].output[-1]
+        with tr.invoke(PROMPTS[1]):
+            llm.layers[2].output[-1] = source
+            out["cross-invoke logits"] = llm.logits.save()
+    out["cross-invoke tokens"] = tr.outputs[1].token_ids
+    with llm.trace(PROMPTS[1], max_tokens=4) as tr:  # parameters of both stages
+        out["q_proj"] = llm.layers[0].self_attn.q_proj.weight.save()
+        direction = llm.lm_head.weight[UPPER_TOKEN]
+        out["lm_head row"] = direction.save()
+        h = llm.layers[3].output
+        llm.layers[3].output[-1] = h[-1] + 8 * h[-1].norm() * direction / direction.norm()
+        out["lens of layer 0"] = llm.unembed(llm.layers[0].output).save()
+    out["lm_head-steered tokens"] = tr.outputs[0].token_ids
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_worker_probe(engines, tiny_llama, single_worker_fast):
+    llm = engines.vllm(tiny_llama)
+    return probe(llm), steered_by_lm_head_row(llm), cross_stage(llm)
+
+
 def test_single_worker_equals_hf(engines, tiny_llama, single_worker_tokens) -> None:
     reference = engines.hf(tiny_llama).generate(PROMPTS, **SAMPLING)
     assert single_worker_tokens == [o.token_ids for o in reference]
     assert all(len(t) == 8 for t in single_worker_tokens)
+
+
+def assert_probes_equal(got: dict, want: dict) -> None:
+    for name, value in want.items():
+        assert got[name].shape == value.shape, name
+        assert rel_err(got[name].float(), value.float()) < 1e-5, name
+
+
+def test_tensor_parallel_trace_equals_single_worker_and_hf(
+    engines, tiny_llama, single_worker_probe
+) -> None:
+    want, want_tokens, _ = single_worker_probe
+    hf = engines.hf(tiny_llama)
+    hf_probe = probe(hf, raw=False)
+    hf_tokens = steered_by_lm_head_row(hf)
+    checkpoint = load_file(str(tiny_llama / "model.safetensors"))
+    llm = engines.vllm(tiny_llama, tensor_parallel_size=2)
+    got = probe(llm)
+    assert_probes_equal(got, want)
+    assert_probes_equal({k: v for k, v in got.items() if not k.startswith("raw")}, hf_probe)
+    # parameters are the checkpoint's tensors, gathered from both ranks' shards
+    assert torch.equal(got["lm_head row"], checkpoint["lm_head.weight"][UPPER_TOKEN])
+    for name in PROJECTIONS:
+        assert torch.equal(got[name], checkpoint[f"model.layers.0.{name}.weight"]), name
+    heads = llm.config.num_attention_heads + 2 * llm.config.num_key_value_heads
+    assert got["raw qkv"].shape[-1] == heads * llm.config.head_dim  # full width, q|k|v
+    assert got["raw down input"].shape[-1] == llm.config.intermediate_size
+    plain, steered = steered_by_lm_head_row(llm)
+    assert (plain, steered) == want_tokens == hf_tokens
+    assert plain != steered
+
+
+def test_parameters_are_read_only(engines, tiny_llama) -> None:
+    llm = engines.vllm(tiny_llama, tensor_parallel_size=2)
+    with pytest.raises(AttributeError, match="read-only"):
+        with llm.trace(PROMPTS[0]):
+            llm.lm_head.weight = torch.zeros(3)
+    with pytest.raises(vinterp.TraceError, match="out of range"):
+        with llm.trace(PROMPTS[0]):
+            llm.layers[9].mlp.up_proj.weight.save()
 
 
 @pytest.mark.parametrize(
@@ -65,14 +198,53 @@ def test_parallel_equals_single_worker(
         assert rel_err(got, want) < 1e-5
 
 
-def test_pipeline_cross_stage_write_fails_clearly_and_engine_serves_on(
+def test_pipeline_values_cross_stages(engines, tiny_llama, single_worker_probe) -> None:
+    want = single_worker_probe[2]
+    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    got = cross_stage(llm)
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[name].shape == value.shape, name
+            assert rel_err(got[name], value) < 1e-5, name
+        else:
+            assert got[name] == value, name
+    plain = [o.token_ids[:4] for o in llm.generate(PROMPTS[:2], **SAMPLING)]
+    assert got["patched tokens"] != plain[0] and got["steered tokens"] != plain[1]
+
+
+def test_pipeline_impossible_order_fails_before_running(
     engines, tiny_llama, single_worker_fast
 ) -> None:
     llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
-    with pytest.raises(vinterp.InterventionError, match="read on another stage"):
+    with pytest.raises(vinterp.OutOfOrderError, match="layers.3"):
         with llm.trace(PROMPTS[0], max_tokens=1):
-            early = llm.layers[0].output[-1].save()
-            llm.layers[3].output[-1] = early  # layer 3 runs on the second stage
+            llm.layers[1].output = llm.layers[3].output
+    with pytest.raises(vinterp.OutOfOrderError, match="last pipeline stage"):
+        with llm.trace(PROMPTS[0], max_tokens=1):
+            lens = llm.unembed(llm.layers[0].output)
+            llm.layers[1].output = llm.layers[1].output + lens[:, :1]
     tokens, _, saves = fast_path_results(llm)
     assert tokens == single_worker_fast[0]
     assert rel_err(saves[0], single_worker_fast[2][0]) < 1e-5
+
+
+def test_pipeline_logit_lens_of_a_first_stage_layer(engines, tiny_llama) -> None:
+    """llm.unembed runs on the last stage, with the first stage's value sent there."""
+    hf = engines.hf(tiny_llama)
+    with hf.trace(PROMPTS[0], max_tokens=1):
+        want = hf.unembed(hf.layers[0].output).save()
+    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    with llm.trace(PROMPTS[0], max_tokens=1):
+        got = llm.unembed(llm.layers[0].output).save()
+    assert rel_err(got, want) < 1e-5
+
+
+def test_tensor_parallel_qwen2_equals_hf(engines) -> None:
+    """Another family (q/k/v biases): every site, logits, lens, parameters equal HF at TP=2."""
+    model = vinterp.models.tiny("qwen2")
+    hf = engines.hf(model)
+    want, want_tokens = probe(hf, raw=False), steered_by_lm_head_row(hf)
+    llm = engines.vllm(model, tensor_parallel_size=2)
+    assert_probes_equal(probe(llm, raw=False), want)
+    plain, steered = steered_by_lm_head_row(llm)
+    assert (plain, steered) == want_tokens and plain != steered

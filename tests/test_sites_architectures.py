@@ -9,6 +9,7 @@ import vinterp
 from vinterp.api.fast_trace import site_point
 from vinterp.sites.modules import SUPPORTED
 from vinterp.sites.names import all_sites
+from vinterp.sites.params import PROJECTIONS, param_shape
 
 PROMPT = "The capital of France is"
 
@@ -37,6 +38,16 @@ def write_middle(llm: vinterp.LLM) -> list[int]:
 
 
 ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]
+WITH_HF_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+PARAMS = ["embed.weight", "lm_head.weight"] + [
+    f"layers.1.{block}.{proj}.weight" for block, projs in PROJECTIONS.items() for proj in projs
+]
+
+
+def read_params(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
+    with llm.trace(PROMPT, max_tokens=1):
+        saves = {name: llm._active_trace()._param(name).save() for name in PARAMS}
+    return saves
 
 
 @pytest.mark.parametrize("arch", ON_VLLM)
@@ -53,6 +64,14 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
     steered = write_middle(llm)
     assert steered == write_middle(hf)
     assert steered != baseline
+    if arch in WITH_HF_PROJECTIONS:  # merged / packed engine layers split back, exactly
+        got, want = read_params(llm), read_params(hf)
+        for name in PARAMS:
+            assert torch.equal(got[name], want[name]), name
+        assert want["layers.1.self_attn.k_proj.weight"].shape == param_shape(llm.config, PARAMS[3])
+    else:
+        with pytest.raises(vinterp.InterventionError, match="llm.raw"):
+            read_params(llm)
 
 
 def test_transformers_backend_model_is_refused_on_vllm(engines) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vinterp.sites.params import is_param_prefix
+
 if TYPE_CHECKING:
     from vinterp.api.llm import LLM
 
@@ -41,17 +43,50 @@ class SitePoint:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name == "weight" and is_param_prefix(self._prefix):
+            return self._llm._active_trace()._param(f"{self._prefix}.weight")
+        if is_param_prefix(f"{self._prefix}.{name}"):
+            return ParamPoint(self._llm, f"{self._prefix}.{name}")
         parts = ".input, .output" + (", .attn, .mlp" if self._prefix.count(".") == 1 else "")
         raise AttributeError(f"{self._prefix} has no site {name!r}; it has {parts}")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("input", "output"):
             object.__setattr__(self, name, value)  # goes through the property setter
+        elif name == "weight":
+            raise AttributeError(READ_ONLY)
         else:
             raise AttributeError(f"cannot set {name!r} on {self._prefix}; set .input or .output")
 
     def __repr__(self) -> str:
         return f"<site {self._prefix}>"
+
+
+READ_ONLY = "parameters are read-only in a trace; compute with the value (w * 2) or write a site"
+
+
+class ParamPoint:
+    """`llm.layers[i].self_attn.q_proj`, `...mlp.up_proj`: a module whose `.weight` a trace
+    reads, named as in the HF module tree."""
+
+    def __init__(self, llm: LLM, path: str) -> None:
+        object.__setattr__(self, "_llm", llm)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name == "weight" and is_param_prefix(self._path) and self._path.count(".") == 3:
+            return self._llm._active_trace()._param(f"{self._path}.weight")
+        if is_param_prefix(f"{self._path}.{name}"):
+            return ParamPoint(self._llm, f"{self._path}.{name}")
+        raise AttributeError(f"{self._path} has no parameter module {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(READ_ONLY)
+
+    def __repr__(self) -> str:
+        return f"<parameters {self._path}>"
 
 
 class ModulePoint(SitePoint):
@@ -70,6 +105,7 @@ class Layer(SitePoint):
         super().__init__(llm, f"layers.{index}")
         object.__setattr__(self, "attn", SitePoint(llm, f"layers.{index}.attn"))
         object.__setattr__(self, "mlp", SitePoint(llm, f"layers.{index}.mlp"))
+        object.__setattr__(self, "self_attn", ParamPoint(llm, f"layers.{index}.self_attn"))
 
 
 class Layers:

@@ -47,6 +47,7 @@ class LLM:
             model = bundled()
         self.model_path = model
         self.backend = backend
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         check_site_paths(self.config.model_type, sites)  # before any engine starts

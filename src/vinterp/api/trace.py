@@ -22,7 +22,9 @@ from vinterp.engine.sampling import sampling_kwargs
 from vinterp.ir.graph import STEP_ZERO, Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import PlanError, make_plan
+from vinterp.runtime.pipeline import last_stage_start
 from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.params import param_shape, parse_param
 from vinterp.sites.raw import is_raw
 
 if TYPE_CHECKING:
@@ -201,6 +203,15 @@ class Trace:
     def _model_call(self, function: str, value: Any) -> Value:
         return self._call(f"model.{function}", (value,), {})
 
+    def _param(self, name: str) -> Value:
+        """A parameter's value in its HF shape (read-only: computing with it makes copies)."""
+        try:
+            parse_param(name, int(self._llm.config.num_hidden_layers))
+        except UnknownSiteError as exc:
+            self._record_error(str(exc))
+        self._current_invoke(f"reading {name}")
+        return self._call("model.param", (name,), {})
+
     def _meta_value(self, obj: Any) -> Any:
         """`obj` with symbolic values and tensors replaced by meta tensors (or _UnknownShape)."""
 
@@ -222,6 +233,11 @@ class Trace:
             return None
         if name == "model.final_norm":
             return meta_args[0]
+        if name == "model.param":
+            try:
+                return torch.empty(param_shape(self._llm.config, args[0]), device="meta")
+            except UnknownSiteError:
+                return None  # reported by _param
         if name == "model.lm_head":
             x = meta_args[0]
             return torch.empty(*x.shape[:-1], self._llm.config.vocab_size, device="meta")
@@ -254,7 +270,8 @@ class Trace:
         if not self.graph.invokes:
             raise TraceError("a trace needs a prompt: llm.trace(prompt) or tr.invoke(prompt)")
         try:
-            plan = make_plan(self.graph, self._sites)
+            num_layers, stages = len(self._llm.layers), self._llm.pipeline_parallel_size
+            plan = make_plan(self.graph, self._sites, last_stage_start(num_layers, stages))
             result = self._llm._engine.run_trace(self.graph, plan)
         except UnknownSiteError as exc:
             raise TraceError(str(exc)) from None

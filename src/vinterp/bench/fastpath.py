@@ -3,7 +3,6 @@ same run, same dtype and engine settings. One engine is alive at a time."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vinterp.bench import trace_invokes
+from vinterp.bench import pipeline, trace_invokes
 from vinterp.bench.harness import REFERENCE, Row, best_time, device_kind, free_memory, target
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
@@ -25,6 +24,7 @@ WORKLOADS = (
     "capture_layers_last",
     "capture_layers_all",
     trace_invokes.KEY,
+    *pipeline.KEYS,
 )
 
 
@@ -47,9 +47,7 @@ def plain_vllm(model: str | Path, dtype: str, enforce_eager: bool = False) -> It
     from vllm.platforms import current_platform
 
     from vinterp.engine.cpu_settings import configure_cpu_environment
-    from vinterp.engine.plugin import ENV_FLAG
 
-    os.environ.pop(ENV_FLAG, None)
     if current_platform.is_cpu():
         configure_cpu_environment(1)
     llm = vllm.LLM(
@@ -125,14 +123,18 @@ def run(
     size = f" ({prompts}x{max_tokens})"
     rows: list[Row] = []
     baseline = 0.0
-    if selected - {trace_invokes.KEY}:  # every other row is a ratio to compiled plain vLLM
+    if selected - {trace_invokes.KEY, *pipeline.KEYS}:  # the others: ratios to plain vLLM
         baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype)
     if EAGER in selected and device_kind() == "cuda":
         eager = plain_vllm_time(model, texts, max_tokens, repeats, dtype, enforce_eager=True)
         rows.append(Row("plain vLLM enforce_eager=True" + size, baseline, eager, REFERENCE, EAGER))
     elif EAGER in selected:
         print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
-    if not selected & set(WORKLOADS[1:]):
+    if selected & set(pipeline.KEYS) and device_kind() == "cuda" and torch.cuda.device_count() < 2:
+        print("PP=2 rows: skipped (one GPU)")
+    elif selected & set(pipeline.KEYS):
+        rows += pipeline.run(model, min(prompts, 64), repeats, dtype, selected)
+    if not selected & set(WORKLOADS[1:]) - set(pipeline.KEYS):
         return rows
     llm = vinterp.LLM(model, dtype=dtype)
     try:

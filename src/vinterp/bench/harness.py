@@ -26,6 +26,8 @@ TARGETS: dict[str, dict[str, float]] = {
         "capture_layers_last": 1.5,
         "capture_layers_all": 1.5,
         "trace": 1.3,
+        "pp_save_layers": 1.3,
+        "pp_patch": 1.5,
     },
     "cpu": {
         "idle": 1.05,
@@ -34,6 +36,8 @@ TARGETS: dict[str, dict[str, float]] = {
         "capture_layers_last": 1.3,
         "capture_layers_all": 1.5,
         "trace": 1.3,
+        "pp_save_layers": 1.3,
+        "pp_patch": 1.5,
     },
 }
 

@@ -13,6 +13,7 @@ from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
 from vinterp.sites.hf_hooks import install_hf_hooks
 from vinterp.sites.modules import find_site_modules, unhooked
+from vinterp.sites.params import hf_param
 from vinterp.sites.raw import install_raw_hooks, raw_sites_of
 
 SUPPORTED_SAMPLING = {"temperature", "max_tokens", "seed", "ignore_eos", "stop_token_ids"}
@@ -52,6 +53,7 @@ class HFEngine:
         functions = {
             "final_norm": unhooked(self.sites.final_norm),
             "lm_head": unhooked(self.sites.lm_head),
+            "param": lambda name: hf_param(self.sites, name),
         }
         run = TraceRun(graph, plan, functions)
         outputs: list[Output | None] = [None] * len(graph.invokes)

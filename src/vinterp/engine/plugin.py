@@ -1,17 +1,21 @@
 """vLLM general-plugin entry point (declared in pyproject.toml as `vllm.general_plugins`).
 
-vLLM calls `register()` in every process it starts. Engines started by vinterp set
-VINTERP_SITES=1 (inherited by their processes); only then is `load_model` patched to put
-the sites into the model, so plain vLLM users who have vinterp installed are unaffected.
+vLLM calls `register()` once per process (a forked worker inherits its parent's state), so
+the decision cannot be made there: the patched `load_model` installs the sites only in
+engines whose config carries vinterp's `additional_config` key. Plain vLLM engines — in
+the same process as vinterp ones, or with vinterp merely installed — are unaffected.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
-ENV_FLAG = "VINTERP_SITES"
+CONFIG_KEY = "vinterp_sites"
+
+
+def wants_sites(runner: Any) -> bool:
+    return CONFIG_KEY in (runner.vllm_config.additional_config or {})
 
 
 def _patch_load_model(runner_cls: Any) -> None:
@@ -21,10 +25,11 @@ def _patch_load_model(runner_cls: Any) -> None:
 
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from vinterp.engine.worker_ext import install_on_runner
-
         result = original(self, *args, **kwargs)
-        install_on_runner(self)
+        if wants_sites(self):
+            from vinterp.engine.worker_ext import install_on_runner
+
+            install_on_runner(self)
         return result
 
     load_model._vinterp = True  # type: ignore[attr-defined]
@@ -32,9 +37,7 @@ def _patch_load_model(runner_cls: Any) -> None:
 
 
 def register() -> None:
-    """Patch the model runners' `load_model` when the engine was started by vinterp."""
-    if os.environ.get(ENV_FLAG) != "1":
-        return
+    """Patch the model runners' `load_model` (it installs sites only for vinterp engines)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm.sequence import IntermediateTensors
 
 from vinterp.runtime.vllm_runtime import WorkerRuntime
 
@@ -55,9 +56,16 @@ def instrument(runner: Any, runtime: WorkerRuntime) -> None:
 
     def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            if not kwargs.get("dummy_run", False):
-                runtime.on_schedule(scheduler_output)
-            return original(scheduler_output, *args, **kwargs)
+            if kwargs.get("dummy_run", False):
+                return original(scheduler_output, *args, **kwargs)
+            runtime.on_schedule(scheduler_output)
+            received = args[0] if args else kwargs.get("intermediate_tensors")
+            if received is not None:  # from the previous pipeline stage
+                runtime.pipeline.take(received)
+            output = original(scheduler_output, *args, **kwargs)
+            if runtime.python_step and isinstance(output, IntermediateTensors):
+                output.tensors.update(runtime.pipeline.pack(runtime.slots))  # to the next
+            return output
 
         return run
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
-from vinterp.engine.plugin import ENV_FLAG
+from vinterp.engine.plugin import CONFIG_KEY
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
@@ -21,7 +20,7 @@ from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 4
+SITES_LAYOUT_VERSION = 5
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,6 @@ class VLLMEngine:
     ) -> None:
         import vllm
 
-        os.environ[ENV_FLAG] = "1"  # inherited by vLLM's processes: the plugin installs sites
         if _on_cpu():
             configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
         kwargs: dict[str, Any] = {
@@ -75,7 +73,8 @@ class VLLMEngine:
             "seed": 0,
             "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
             "additional_config": {
-                "vinterp_sites": SITES_LAYOUT_VERSION,
+                # the plugin installs sites where this key is; part of the compile-cache key
+                CONFIG_KEY: SITES_LAYOUT_VERSION,
                 "vinterp_site_paths": site_paths or {},
             },
         }

@@ -54,9 +54,8 @@ def install_on_runner(runner: Any) -> None:
         runner,
         modules,
         order,
-        int(config.vocab_size),
         steer,
-        captures_here=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
+        ships_results=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
     )
     instrument(runner, runtime)
     setattr(runner, RUNTIME_ATTR, runtime)

@@ -201,7 +201,7 @@ TENSOR_METHODS = (
 )
 
 # Applied with the served model's own modules (see runtime.executor.ModelFunctions).
-MODEL_FUNCTIONS = ("final_norm", "lm_head")
+MODEL_FUNCTIONS = ("final_norm", "lm_head", "param")
 
 
 def _registry() -> dict[str, Callable[..., Any]]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from vinterp.ir.graph import STEP_ZERO, Graph, node_inputs
+from vinterp.ir.graph import STEP_ZERO, Graph, Node, node_inputs
 from vinterp.sites.names import RAW_POSITION, SiteOrder
+from vinterp.sites.params import parse_param
 
 ANY_TIME = -1  # anchor of values that need no site (user tensors)
+MODEL_MODULE_CALLS = ("model.final_norm", "model.lm_head")
 FIRST_SITE = "embed.output"
 
 
@@ -42,8 +44,13 @@ def _same_step_context(graph: Graph, consumer: int, producer: int) -> bool:
     return p == STEP_ZERO and graph.blocks[c].contains(0)
 
 
-def make_plan(graph: Graph, sites: SiteOrder) -> Plan:
+def make_plan(graph: Graph, sites: SiteOrder, last_stage_start: int | None = None) -> Plan:
+    """`last_stage_start`: under pipeline parallelism, the first layer of the last stage.
+    Model functions and parameter reads run where their module is (final norm and lm_head on
+    the last stage, a layer's weights with the layer), so they are anchored there."""
     anchors: list[int] = []
+    staged = last_stage_start is not None
+    last_stage = sites[f"layers.{last_stage_start}.input"] if staged else ANY_TIME
     depends_on: dict[int, set[int]] = defaultdict(set)
     for node_id, node in enumerate(graph.nodes):
         if node.kind == "const":
@@ -76,11 +83,17 @@ def make_plan(graph: Graph, sites: SiteOrder) -> Plan:
                 depends_on[node.invoke].add(p_node.invoke)
             if _same_step_context(graph, node_id, producer) and anchors[producer] > inputs_at:
                 inputs_at, latest_input = anchors[producer], producer
+        if staged and node.kind == "call":
+            owner = _owner_position(node, sites, last_stage)
+            if owner > inputs_at:
+                inputs_at, latest_input = owner, node_id
         if node.kind == "write" and inputs_at > site_pos:
             producer_site = sites.sites[inputs_at]
+            hint = " (llm.final_norm, llm.lm_head and its weight are on the last pipeline stage)"
+            owned_late = staged and inputs_at == last_stage
             raise PlanError(
                 f"the write to {node.target} needs a value from {producer_site}, which the "
-                f"forward pass computes later (node {latest_input})",
+                f"forward pass computes later (node {latest_input})" + (hint if owned_late else ""),
                 node.line,
                 out_of_order=True,
             )
@@ -97,6 +110,19 @@ def make_plan(graph: Graph, sites: SiteOrder) -> Plan:
                 site = FIRST_SITE if at == ANY_TIME else sites.sites[at]
             plan.schedule.setdefault((node.invoke, site), []).append(node_id)
     return plan
+
+
+def _owner_position(node: Node, sites: SiteOrder, last_stage: int) -> int:
+    """Where the module a model function or parameter read needs first exists in the forward
+    (pipeline stages hold only their own modules); ANY_TIME for plain operations."""
+    if node.target in MODEL_MODULE_CALLS:
+        return last_stage
+    if node.target == "model.param":
+        param = parse_param(str(node.args[0]), sites.num_layers)
+        if param.layer is not None:
+            return sites[f"layers.{param.layer}.input"]
+        return sites["embed.output"] if param.module == "embed" else last_stage
+    return ANY_TIME
 
 
 def _rounds(num_invokes: int, depends_on: dict[int, set[int]]) -> list[list[int]]:

@@ -38,6 +38,7 @@ class TraceRun:
     saved: dict[int, Any] = field(default_factory=dict)
     failure: Failure | None = None
     max_steps: dict[int, int] = field(default_factory=dict)
+    keeps_saves: bool = True  # False on TP ranks other than the first: they compute, not copy
 
     def __post_init__(self) -> None:
         self.save_set = set(self.graph.saves)
@@ -52,7 +53,10 @@ class TraceRun:
             return step == 0
         return self.graph.blocks[node.block].contains(step)
 
-    def _key(self, node_id: int, step: int) -> tuple[int, int]:
+    def active_at(self, node_id: int, step: int) -> bool:
+        return self._active(self.graph.nodes[node_id], step)
+
+    def key(self, node_id: int, step: int) -> tuple[int, int]:
         return (node_id, 0 if self.graph.nodes[node_id].block == STEP_ZERO else step)
 
     def works_at(self, invoke: int, step: int) -> bool:
@@ -60,7 +64,7 @@ class TraceRun:
         if self.failure is not None or step >= self.max_steps.get(invoke, 0):
             return False
         return any(
-            self._active(self.graph.nodes[node_id], step)
+            self.active_at(node_id, step)
             for (k, _), node_ids in self.plan.schedule.items()
             if k == invoke
             for node_id in node_ids
@@ -82,7 +86,7 @@ class TraceRun:
                 continue
             try:
                 if node.kind == "read":
-                    self.values[self._key(node_id, step)] = _copy(current)
+                    self.values[self.key(node_id, step)] = _copy(current)
                 elif node.kind == "write":
                     current = self._write(node_id, node, current, step)
                     replaced = True
@@ -110,7 +114,7 @@ class TraceRun:
                         f"the site has shape {tuple(current.shape)}"
                     ) from None
             out = new.to(current.dtype).clone()
-        self.values[self._key(node_id, step)] = out
+        self.values[self.key(node_id, step)] = out
         return out
 
     def _arg(self, encoded: Any, step: int) -> Any:
@@ -118,7 +122,7 @@ class TraceRun:
 
     def value(self, node_id: int, step: int) -> Any:
         """The value of a node at a step, computing call nodes on demand."""
-        key = self._key(node_id, step)
+        key = self.key(node_id, step)
         if key in self.values:
             return self.values[key]
         node = self.graph.nodes[node_id]
@@ -134,14 +138,15 @@ class TraceRun:
         else:
             raise RuntimeError(
                 f"the value of {node.target} (invoke {node.invoke}, step {step}) is not "
-                "available here: the engine did not run it before this point (under pipeline "
-                "parallelism: it was read on another stage; using a value on a stage other "
-                "than the one that read it is not supported yet)"
+                "available here: the engine did not compute it before this point"
             )
         self.values[key] = result
         return result
 
     def _save(self, node_id: int, step: int) -> None:
+        if not self.keeps_saves:
+            self.value(node_id, step)  # computed all the same: a later node may need it
+            return
         value = _copy(self.value(node_id, step), "cpu")
         if self.graph.nodes[node_id].block == STEP_ZERO:
             self.saved[node_id] = value

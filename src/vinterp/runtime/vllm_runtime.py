@@ -26,10 +26,12 @@ from vinterp.fastpath.worker import FastPath
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.ir.wire import WireError, from_wire, tensor_from_wire, tensor_to_wire
 from vinterp.runtime.executor import Failure, TraceRun
+from vinterp.runtime.pipeline import StageValues, last_stage_start
 from vinterp.runtime.site_ops import PYTHON
+from vinterp.runtime.tensor_parallel import VLLMParams, full_logits, full_raw
 from vinterp.sites.modules import SiteModules, unhooked
 from vinterp.sites.names import SiteOrder, UnknownSiteError
-from vinterp.sites.raw import install_raw_hooks, raw_sites_of
+from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
 
 EXTRA_ARGS_KEY = "vinterp"
 
@@ -53,6 +55,7 @@ class Slot:
     """One traced request in this step: its trace, invoke, step, rows and logits row."""
 
     run: TraceRun
+    trace_id: str
     invoke: int
     step: int
     start: int
@@ -66,17 +69,23 @@ class WorkerRuntime:
         runner: Any,
         modules: SiteModules,
         order: SiteOrder,
-        vocab_size: int,
         steer: SteerBuffers,
-        captures_here: bool = True,
+        ships_results: bool = True,
     ) -> None:
         self.runner = runner
         self.order = order
         self.device = steer.add.device
+        head = modules.lm_head
         self.functions = {
             "final_norm": unhooked(modules.final_norm),
-            "lm_head": self._lm_head(modules, vocab_size),
+            "lm_head": lambda x: full_logits(head, torch.nn.functional.linear(x, head.weight)),
+            "param": VLLMParams(runner.get_model(), modules).read,
         }
+        self.ships_results = ships_results  # one TP rank per stage ships saves and captures
+        from vllm.distributed import get_pp_group
+
+        self.last_stage_start = last_stage_start(order.num_layers, get_pp_group().world_size)
+        self.pipeline = StageValues(_last_position(modules, order))
         self.traces: dict[str, TraceRun] = {}
         self.requests: dict[str, Scheduled] = {}
         self.scheduled: dict[str, int] = {}  # this step's requests -> tokens
@@ -85,15 +94,11 @@ class WorkerRuntime:
         self.num_tokens = 0
         self.stats = {"steps": 0, "uncompiled_steps": 0}
         self.raw_hooks: dict[str, list[Any]] = {}
-        self.fast = FastPath(captures_here=captures_here)
+        self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
+        self.fast = FastPath(captures_here=ships_results)
         self.steering = SteeringState(steer, order)
         PYTHON.site = self.on_site
         PYTHON.stream = self.on_stream
-
-    @staticmethod
-    def _lm_head(modules: SiteModules, vocab_size: int) -> Any:
-        head = modules.lm_head  # vocab rows may be padded: keep the real vocabulary
-        return lambda x: torch.nn.functional.linear(x, head.weight)[..., :vocab_size]
 
     # -- trace lifecycle (called through collective_rpc) -----------------------------------
     def begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
@@ -101,18 +106,25 @@ class WorkerRuntime:
         try:
             graph = from_wire(wire, self.order)
             graph.tensors = [t.to(self.device) for t in graph.tensors]
-            run = TraceRun(graph, make_plan(graph, self.order), self.functions)
+            plan = make_plan(graph, self.order, self.last_stage_start)
+            run = TraceRun(graph, plan, self.functions, keeps_saves=self.ships_results)
             raw_sites = raw_sites_of(graph)
-            self.raw_hooks[trace_id] = install_raw_hooks(self.runner.model, raw_sites, self.on_raw)
+            model = self.runner.get_model()
+            self.raw_hooks[trace_id] = install_raw_hooks(model, raw_sites, self.on_raw)
+            for site in raw_sites:
+                path, which = parse_raw(site)
+                self.raw_modules[site] = (model.get_submodule(path), which)
         except (WireError, PlanError, UnknownSiteError) as exc:
             return str(exc)
         self.traces[trace_id] = run
+        self.pipeline.add_trace(trace_id, run)
         return None
 
     def forget(self, trace_id: str) -> TraceRun | None:
         """Drop a trace and its hooks (after collection, or when it could not start)."""
         for handle in self.raw_hooks.pop(trace_id, ()):
             handle.remove()
+        self.pipeline.forget(trace_id)
         return self.traces.pop(trace_id, None)
 
     def collect(self, trace_id: str) -> dict[str, Any]:
@@ -190,6 +202,7 @@ class WorkerRuntime:
             if req.trace is not None and req.trace[0] in self.traces:
                 self._add_slot(req, row, start, end)
         self.fast.begin_capture_step(captures)
+        self.pipeline.deliver(self.slots)
         for slot in self.slots:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
@@ -213,7 +226,7 @@ class WorkerRuntime:
                     0,
                 )
             return
-        self.slots.append(Slot(run, invoke, step, start, end, row))
+        self.slots.append(Slot(run, trace_id, invoke, step, start, end, row))
 
     def on_site(self, site_id: int, x: torch.Tensor) -> torch.Tensor | None:
         site = self.order.sites[site_id]
@@ -245,8 +258,14 @@ class WorkerRuntime:
         return out
 
     def on_raw(self, site: str, value: Any) -> None:
-        """A raw module's native value: each traced invoke gets its own token rows."""
-        for slot in self.wanted.get(site, ()):
+        """A raw module's native value, made whole under TP; each traced invoke gets its own
+        token rows."""
+        slots = self.wanted.get(site, ())
+        if not slots:
+            return
+        module, which = self.raw_modules[site]
+        value = full_raw(module, which, value)
+        for slot in slots:
             rows = _token_rows(value, slot.start, slot.end, self.num_tokens)
             slot.run.at_site(slot.invoke, slot.step, site, rows)
 
@@ -264,6 +283,17 @@ class WorkerRuntime:
     def on_samples(self, sampled: torch.Tensor) -> None:
         for slot in self.wanted.get("samples", ()):
             slot.run.at_site(slot.invoke, slot.step, "samples", sampled[slot.row].reshape(1).long())
+
+
+def _last_position(modules: SiteModules, order: SiteOrder) -> int | None:
+    """The forward position of this pipeline stage's last site, from the layers it really
+    holds; None on the last (or only) stage: it sends nothing on."""
+    from vllm.distributed import get_pp_group
+
+    if get_pp_group().is_last_rank:
+        return None
+    held = [i for i, layer in enumerate(modules.layers) if modules.holds_layer(layer)]
+    return order[f"layers.{held[-1]}.output"]
 
 
 def _token_rows(value: Any, start: int, end: int, num_tokens: int) -> Any:

@@ -1,0 +1,98 @@
+"""Trace values that cross pipeline stages: read on one stage, used on a later one.
+
+vLLM sends each step's IntermediateTensors (hidden states, residual) from stage k to k+1.
+A trace's values travel in the same dict under their own keys, so they arrive with the step
+they belong to, once, in forward order, with no side channel to wait on (nnsight's pull
+protocol stalled exactly there). Every stage derives the same export sets from the same
+graph and plan, so sender and receiver agree without a handshake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vinterp.ir.graph import node_inputs
+from vinterp.ir.plan import ANY_TIME
+from vinterp.runtime.executor import Failure, TraceRun
+
+PREFIX = "vinterp:"
+
+
+def last_stage_start(num_layers: int, pipeline_size: int) -> int | None:
+    """The first layer of the last pipeline stage (vLLM's own split), None without stages."""
+    if pipeline_size == 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    return get_pp_indices(num_layers, pipeline_size - 1, pipeline_size)[0]
+
+
+def exports_of(run: TraceRun, last_position: int) -> dict[int, list[int]]:
+    """Per invoke: the nodes whose value exists by the end of a stage (anchored at or before
+    its last site) and that a node of that invoke anchored on a later stage consumes (the
+    producer may belong to an earlier invoke: patching across invokes and stages)."""
+    anchors = run.plan.anchors
+    needed_later: dict[int, set[int]] = {}
+    for consumer, node in enumerate(run.graph.nodes):
+        if anchors[consumer] > last_position:
+            needed_later.setdefault(node.invoke, set()).update(node_inputs(node))
+    return {
+        invoke: sorted(n for n in producers if ANY_TIME < anchors[n] <= last_position)
+        for invoke, producers in needed_later.items()
+    }
+
+
+class StageValues:
+    """This stage's side of the transport: what to send after its forward, what it got."""
+
+    def __init__(self, last_position: int | None) -> None:
+        self.last_position = last_position  # None on the last stage: nothing to send
+        self.exports: dict[str, dict[int, list[int]]] = {}  # trace id -> invoke -> node ids
+        self.received: dict[str, torch.Tensor] = {}
+
+    def add_trace(self, trace_id: str, run: TraceRun) -> None:
+        if self.last_position is not None:
+            self.exports[trace_id] = exports_of(run, self.last_position)
+
+    def forget(self, trace_id: str) -> None:
+        self.exports.pop(trace_id, None)
+
+    def pack(self, slots: Iterable[Any]) -> dict[str, torch.Tensor]:
+        """The values later stages need from this step's traced invokes."""
+        out: dict[str, torch.Tensor] = {}
+        for slot in slots:
+            run = slot.run
+            for node_id in self.exports.get(slot.trace_id, {}).get(slot.invoke, ()):
+                if run.failure is not None or not run.active_at(node_id, slot.step):
+                    continue
+                try:
+                    value = torch.as_tensor(run.value(node_id, slot.step))
+                except Exception as exc:  # the invoke fails, the step goes on
+                    line = run.graph.nodes[node_id].line
+                    run.failure = Failure(line, f"{type(exc).__name__}: {exc}", slot.invoke, 0)
+                    continue
+                out[f"{PREFIX}{slot.trace_id}:{slot.invoke}:{node_id}"] = value.contiguous()
+        return out
+
+    def take(self, received: Any) -> None:
+        """Remove vinterp's values from the IntermediateTensors a stage received (vLLM's V1
+        runner copies every key it gets into its own buffers) and keep them for this step.
+        Runs every step: the previous stage may send values that this one no longer wants."""
+        arrived = object.__getattribute__(received, "tensors")  # keys known before the data
+        self.received = {}
+        if any(key.startswith(PREFIX) for key in arrived):
+            tensors = received.tensors  # waits for the transfer (and its TP all-gather)
+            for key in [k for k in tensors if k.startswith(PREFIX)]:
+                self.received[key] = tensors.pop(key)
+
+    def deliver(self, slots: Iterable[Any]) -> None:
+        """Put the received values into their traces, as if read on this stage."""
+        for slot in slots:
+            prefix = f"{PREFIX}{slot.trace_id}:{slot.invoke}:"
+            for key in [k for k in self.received if k.startswith(prefix)]:
+                node_id = int(key.rsplit(":", 1)[1])
+                slot.run.values[slot.run.key(node_id, slot.step)] = self.received.pop(key)
+        self.received.clear()

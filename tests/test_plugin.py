@@ -1,0 +1,31 @@
+"""The vLLM plugin patches the runners in every process, whatever ran there first.
+
+vLLM loads general plugins once per process and forked workers inherit that state, so a
+decision taken at plugin load (e.g. from an environment flag) would be stale for a vinterp
+engine started after a plain vLLM engine in the same process: its model would run without
+sites. The patched `load_model` must therefore exist in every process and decide per engine.
+"""
+
+import subprocess
+import sys
+
+CHECK = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from types import SimpleNamespace
+from vinterp.engine.plugin import wants_sites
+assert getattr(CPUModelRunner.__dict__["load_model"], "_vinterp", False), "load_model not patched"
+plain = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
+ours = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"vinterp_sites": 5}))
+assert not wants_sites(plain) and wants_sites(ours)
+print("ok")
+"""
+
+
+def test_plugin_patches_runners_in_a_process_without_vinterp_engines() -> None:
+    env_free = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300
+    )
+    assert env_free.returncode == 0, env_free.stderr[-2000:]
+    assert env_free.stdout.strip().endswith("ok")
