@@ -42,6 +42,9 @@ def test_wire_round_trip_is_exact() -> None:
 def test_tensor_wire_keeps_dtype_and_values(dtype) -> None:
     t = (torch.arange(12) % 3).reshape(3, 4).to(dtype)
     assert torch.equal(tensor_from_wire(tensor_to_wire(t)), t)
+    scalar = t[1, 1]  # 0-dim: what `.sum()` or `.item`-like reductions save
+    back = tensor_from_wire(tensor_to_wire(scalar))
+    assert back.shape == () and torch.equal(back, scalar)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ queued; the checks here are the ones that hold for any model.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
@@ -86,6 +87,8 @@ class Capture(BaseModel):
     path: str | None = None
 
     def __init__(self, sites: list[str] | str, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("path"), os.PathLike):  # a pathlib.Path is welcome too
+            kwargs["path"] = os.fspath(kwargs["path"])
         super().__init__(sites=[sites] if isinstance(sites, str) else sites, **kwargs)
 
     @field_validator("sites")

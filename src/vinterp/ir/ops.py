@@ -158,6 +158,7 @@ TENSOR_METHODS = (
     "index_select",
     "log",
     "log_softmax",
+    "logsumexp",
     "masked_fill",
     "matmul",
     "max",

@@ -39,8 +39,7 @@ def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
     dtype = str(t.dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise WireError(f"tensor dtype {dtype} cannot travel; use one of {sorted(DTYPES)}")
-    raw = t.view(torch.uint8) if t.numel() else t
-    data = raw.numpy().tobytes() if t.numel() else b""
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return {"dtype": dtype, "shape": list(t.shape), "data": data}
 
 

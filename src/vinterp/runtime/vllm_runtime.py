@@ -132,7 +132,11 @@ class WorkerRuntime:
         if run is None:
             return {"saved": {}, "failure": None}
         failure = run.failure.__dict__ if run.failure else None
-        saved = {node: _encode_saved(value) for node, value in run.results().items()}
+        try:
+            saved = {node: _encode_saved(value) for node, value in run.results().items()}
+        except (WireError, RuntimeError, TypeError) as exc:  # the trace fails, not the engine
+            message = f"a saved value cannot be sent back: {exc}"
+            saved, failure = {}, Failure("", message, -1, 0).__dict__
         return {"saved": saved, "failure": failure}
 
     @property

@@ -1,0 +1,99 @@
+"""The examples run on the bundled model, and the numbers behind each picture mean what the
+picture says (not only that a PNG was written)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example(name: str) -> ModuleType:
+    """Import examples/NAME.py (a script, not a package) under a name that shadows nothing."""
+    spec = importlib.util.spec_from_file_location(
+        f"vinterp_example_{name}", EXAMPLES / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def llm(engines):
+    return engines.vllm(None)
+
+
+def assert_pngs(*paths: Path) -> None:
+    for path in paths:
+        assert Path(path).read_bytes().startswith(b"\x89PNG")
+
+
+def test_logit_lens(llm, tmp_path) -> None:
+    result = example("logit_lens").run(llm, tmp_path)
+    layers, positions = len(llm.layers), len(result["prompt_tokens"])
+    assert result["top_ids"].shape == result["top_probs"].shape == (layers, positions)
+    assert ((result["top_probs"] > 0) & (result["top_probs"] <= 1)).all()
+    # The last layer's lens at the last position is the model's own next-token prediction.
+    assert int(result["top_ids"][-1, -1]) == result["next_token_id"]
+    assert result["top_tokens"][-1][-1] == " Paris"
+    assert_pngs(result["png"])
+
+
+def test_activation_patching(llm, tmp_path) -> None:
+    result = example("activation_patching").run(llm, tmp_path)
+    clean, corrupted, patched = result["clean_diff"], result["corrupted_diff"], result["patched"]
+    gap = clean - corrupted
+    assert patched.shape == (len(llm.layers), len(result["position_labels"]))
+    assert gap > 5  # " Paris" wins on the clean prompt, " Rome" on the corrupted one
+    # The last layer at the last position is all the logits see: patching it restores clean.
+    assert patched[-1, -1] == pytest.approx(clean, abs=0.02 * gap)
+    # Layer 0 at the last position has barely read " France": almost nothing changes.
+    assert patched[0, -1] == pytest.approx(corrupted, abs=0.05 * gap)
+    # Positions before " France"/" Italy" hold the same residuals in both runs.
+    assert torch.allclose(
+        patched[:, :3], torch.full_like(patched[:, :3], corrupted), atol=0.01 * gap
+    )
+    assert_pngs(*result["pngs"])
+
+
+def test_steering(llm, tmp_path) -> None:
+    module = example("steering")
+    result = module.run(llm, tmp_path)
+    effects, baseline = result["effects"], result["baseline"]
+    assert effects[module.SCALES.index(0.0)] == pytest.approx(baseline, abs=1e-4)
+    assert all(a < b for a, b in zip(effects, effects[1:]))  # more positive with the scale
+    assert max(effects) > baseline + 3
+    assert set(result["samples"]) == set(module.SHOWN)
+    assert llm.steering.active == []  # the sweep leaves no global steering behind
+    assert_pngs(result["png"])
+
+
+def test_probe(llm, tmp_path) -> None:
+    result = example("probe").run(llm, tmp_path)
+    accuracy = result["accuracy"]
+    assert len(accuracy) == len(llm.layers)
+    assert len(list((tmp_path / "probe_captures").glob("*.safetensors"))) == 40
+    assert max(accuracy) >= 0.8  # some layer separates true from false statements
+    assert accuracy[0] <= 0.6  # ... which the first layer cannot
+    assert_pngs(result["png"])
+
+
+def test_generation_entropy(llm, tmp_path) -> None:
+    module = example("generation_entropy")
+    result = module.run(llm, tmp_path)
+    entropies, logits = result["entropies"], result["logits"]
+    assert entropies.shape == (module.STEPS, len(llm.layers))
+    assert logits.shape == (module.STEPS, llm.config.vocab_size)
+    assert torch.isfinite(entropies).all()
+    assert (entropies >= -1e-4).all() and (entropies <= math.log(logits.shape[-1]) + 1e-4).all()
+    # At the last layer the lens is the model's own logits: same distribution, same entropy.
+    own = torch.distributions.Categorical(logits=logits[0]).entropy()
+    assert entropies[0, -1] == pytest.approx(float(own), abs=1e-3)
+    assert_pngs(result["png"])
