@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -85,6 +88,52 @@ def test_wire_fuzz_only_raises_clear_errors(nodes, tensors) -> None:
     """Arbitrary data is either a valid graph or a WireError/UnknownSiteError, nothing else."""
     try:
         from_wire({"version": 1, "nodes": nodes, "tensors": tensors}, SITES)
+    except (WireError, UnknownSiteError):
+        pass
+
+
+def _positions(value: Any, path: tuple = ()) -> list[tuple]:
+    """Every place in a wire graph: (path to the container, key or index)."""
+    places = []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    else:
+        return places
+    for key, child in items:
+        places.append((path, key))
+        places.extend(_positions(child, (*path, key)))
+    return places
+
+
+def _at(wire: Any, path: tuple) -> Any:
+    for key in path:
+        wire = wire[key]
+    return wire
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_wire_mutations_of_valid_graphs_only_raise_clear_errors(data) -> None:
+    """A valid graph with one to three of its values replaced, removed or duplicated decodes
+    or fails with the decoder's own errors — never AttributeError, TypeError, KeyError."""
+    wire = copy.deepcopy(to_wire(_patching_graph()))
+    wire["blocks"] = [[1, 3]]
+    wire["nodes"][-1][5] = 0  # one node inside the block, so blocks are checked too
+    for _ in range(data.draw(st.integers(1, 3))):
+        places = _positions(wire)
+        path, key = data.draw(st.sampled_from(places))
+        container = _at(wire, path)
+        action = data.draw(st.sampled_from(["replace", "remove", "duplicate"]))
+        if action == "replace":
+            container[key] = data.draw(_json)
+        elif action == "remove":
+            del container[key]
+        elif isinstance(container, list):
+            container.insert(key, copy.deepcopy(container[key]))
+    try:
+        from_wire(wire, SITES)
     except (WireError, UnknownSiteError):
         pass
 
@@ -200,3 +249,20 @@ def test_plan_runs_model_functions_on_the_last_stage() -> None:
     assert info.value.out_of_order
     g.nodes[-1].target = "layers.2.output"  # on the last stage: allowed
     assert make_plan(g, order, last_stage_start=2).schedule[(0, "layers.2.output")] == [2]
+
+
+def test_stage_values_travel_as_two_byte_tensors() -> None:
+    """vLLM's CPU transport sends at most 8 tensors per step, tensors only: however many
+    values cross, they go as one byte tensor and a byte index, and come back exact."""
+    from vinterp.runtime.pipeline import DATA, INDEX, _from_bytes, _to_bytes
+
+    values = {f"t:{k}:{k}": torch.randn(3, k + 1) for k in range(100)}
+    values["t:0:500"] = torch.tensor(7)  # 0-dim, int
+    values["t:0:501"] = torch.tensor([True, False])
+    values["t:0:502"] = torch.randn(4).bfloat16()
+    packed = _to_bytes(values)
+    assert set(packed) == {DATA, INDEX}
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in packed.values())
+    back = _from_bytes(packed[DATA], packed[INDEX])
+    assert back.keys() == values.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in values.items())

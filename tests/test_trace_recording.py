@@ -74,3 +74,16 @@ def test_same_tensor_is_sent_once(llm) -> None:
             with tr.invoke(prompt):
                 llm.layers[1].output = llm.layers[1].output + direction
     assert len(tr.graph.tensors) == 1
+
+
+def test_progress_bars_show_unless_turned_off(llm, capsys) -> None:
+    llm.generate(["One", "Two"], max_tokens=1)
+    assert "prompts" in capsys.readouterr().err
+    llm.generate(["One", "Two"], max_tokens=1, use_tqdm=False)
+    assert "prompts" not in capsys.readouterr().err
+    for use_tqdm in (True, False):
+        with llm.trace(max_tokens=1, use_tqdm=use_tqdm) as tr:
+            for prompt in ("One", "Two"):
+                with tr.invoke(prompt):
+                    llm.layers[0].output.save()
+        assert ("invokes" in capsys.readouterr().err) == use_tqdm

@@ -5,6 +5,7 @@ from vinterp.api import LLM
 from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
 from vinterp.api.specs import Capture, Request, Steering
 from vinterp.engine.outputs import Output
+from vinterp.wire.json_form import captures_from_json
 
 __all__ = [
     "Capture",
@@ -16,5 +17,6 @@ __all__ = [
     "Output",
     "TraceError",
     "VinterpError",
+    "captures_from_json",
     "models",
 ]

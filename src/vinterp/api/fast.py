@@ -55,9 +55,9 @@ class Prepared:
         return extra
 
 
-def check_steering(steering: Steering, llm: LLM, field_name: str = "steering") -> None:
-    """Layer range and vector size against the loaded model; ValueError naming the field."""
-    layers, hidden = len(llm.layers), int(llm.config.hidden_size)
+def check_steering(steering: Steering, config: Any, field_name: str = "steering") -> None:
+    """Layer range and vector size against the model's HF config; ValueError naming the field."""
+    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
     for site, vector in steering.vectors.items():
         layer = int(_LAYER.match(site).group(1))  # type: ignore[union-attr]
         if layer >= layers:
@@ -109,7 +109,7 @@ def prepare(
                     )
                 req.steering_names.append(spec)
             elif isinstance(spec, Steering):
-                check_steering(spec, llm)
+                check_steering(spec, llm.config)
                 req.steering.append(spec)
             else:
                 raise TypeError(

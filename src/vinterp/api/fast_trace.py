@@ -97,12 +97,12 @@ def capture_rows(req: Prepared, saved: dict[str, list[Any]]) -> dict[str, Any]:
     return rows
 
 
-def generate_with_trace(llm: LLM, requests: list[Prepared]) -> list[Output]:
+def generate_with_trace(llm: LLM, requests: list[Prepared], use_tqdm: bool) -> list[Output]:
     """Run prepared requests as one trace (HF backend): steering writes, capture saves."""
     from vinterp.api.fast import deliver
 
     saved: dict[int, dict[str, list[Any]]] = {}
-    with llm.trace() as tr:
+    with llm.trace(use_tqdm=use_tqdm) as tr:
         for k, req in enumerate(requests):
             with tr.invoke(req.prompt, **req.sampling):
                 named = [llm.steering.named[n] for n in req.steering_names]

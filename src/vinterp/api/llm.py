@@ -75,9 +75,10 @@ class LLM:
         self.steering = SteeringControl(self)
 
     # -- tracing ----------------------------------------------------------------------------
-    def trace(self, prompt: Prompt | None = None, **sampling: Any) -> Trace:
-        """Record reads, writes and saves in the `with` body; run them at its exit."""
-        return Trace(self, prompt, **sampling)
+    def trace(self, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any) -> Trace:
+        """Record reads, writes and saves in the `with` body; run them at its exit (with a
+        progress bar over the invokes unless `use_tqdm=False`)."""
+        return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)
 
     def _begin_trace(self, trace: Trace) -> None:
         if self._trace is not None:
@@ -120,24 +121,22 @@ class LLM:
         prompts: Prompt | Request | list[Prompt | Request],
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
+        use_tqdm: bool = True,
         **sampling: Any,
     ) -> list[Output]:
         """Complete each prompt, optionally steered and captured (API.md section 5).
 
         Sampling options are vLLM's (greedy, 16 tokens by default). Specs are checked against
-        the model before anything is queued."""
+        the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
         requests = prepare(self, prompts, steering, capture, sampling)
         fast = any(r.extra_args() for r in requests)
         if self.backend == "hf" and (fast or self.steering.active):
-            return generate_with_trace(self, requests)
-        if not fast:
-            return self._engine.generate(
-                [r.prompt for r in requests], [r.sampling for r in requests]
-            )
+            return generate_with_trace(self, requests, use_tqdm)
         outputs = self._engine.generate(
             [r.prompt for r in requests],
             [r.sampling for r in requests],
-            [r.extra_args() for r in requests],
+            [r.extra_args() for r in requests] if fast else None,
+            use_tqdm=use_tqdm,
         )
         captured = [r for r in requests if r.capture is not None]
         if captured:

@@ -64,6 +64,26 @@ class Steering(BaseModel):
             raise ValueError("positions: prompt positions are >= 0")
         return value
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (API.md section 6): the `steering` of the `vinterp` extra body field."""
+        from vinterp.wire.json_form import tensor_to_json
+
+        return {
+            **self.to_wire(),
+            "vectors": {s: tensor_to_json(v) for s, v in self.vectors.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Steering:
+        """The inverse of `to_json`; WireError or ValueError (pydantic) on bad input."""
+        from vinterp.ir.wire import WireError
+        from vinterp.wire.json_form import tensor_from_json
+
+        if not isinstance(obj, dict) or not isinstance(obj.get("vectors"), dict):
+            raise WireError("steering: expected {vectors: {site: tensor}, scale, ...}")
+        vectors = {s: tensor_from_json(v, f"vectors[{s!r}]") for s, v in obj["vectors"].items()}
+        return cls(vectors, **{k: v for k, v in obj.items() if k != "vectors"})
+
     def to_wire(self) -> dict[str, Any]:
         from vinterp.ir.wire import tensor_to_wire
 
@@ -110,6 +130,18 @@ class Capture(BaseModel):
         if isinstance(value, list) and any(p < 0 for p in value):
             raise ValueError("positions: token positions are >= 0")
         return value
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (API.md section 6): the `capture` of the `vinterp` extra body field."""
+        return self.model_dump()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Capture:
+        from vinterp.ir.wire import WireError
+
+        if not isinstance(obj, dict) or "sites" not in obj:
+            raise WireError("capture: expected {sites, positions, sink, path}")
+        return cls(**obj)
 
     @model_validator(mode="after")
     def _sink_path(self) -> Capture:

@@ -23,7 +23,7 @@ class SteeringControl:
         """Replace the global steering (a list adds up)."""
         specs = steering if isinstance(steering, list) else [steering]
         for spec in specs:
-            check_steering(spec, self._llm, "steering.set")
+            check_steering(spec, self._llm.config, "steering.set")
         self._llm._engine.set_global_steering(specs)
         self.active = list(specs)
 
@@ -34,7 +34,7 @@ class SteeringControl:
 
     def register(self, name: str, steering: Steering) -> None:
         """Make `steering` usable as `steering=name` in later requests."""
-        check_steering(steering, self._llm, f"steering.register({name!r})")
+        check_steering(steering, self._llm.config, f"steering.register({name!r})")
         self._llm._engine.register_steering(name, steering)
         self.named[name] = steering
 

@@ -46,8 +46,11 @@ def _user_line() -> str:
 class Trace:
     """One traced request batch: invokes (prompts), their interventions and saves."""
 
-    def __init__(self, llm: LLM, prompt: Prompt | None = None, **sampling: Any) -> None:
+    def __init__(
+        self, llm: LLM, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any
+    ) -> None:
         self._llm = llm
+        self._use_tqdm = use_tqdm
         self._sites = SiteOrder(int(llm.config.num_hidden_layers))
         self.graph = Graph()
         self._sampling = sampling
@@ -272,7 +275,7 @@ class Trace:
         try:
             num_layers, stages = len(self._llm.layers), self._llm.pipeline_parallel_size
             plan = make_plan(self.graph, self._sites, last_stage_start(num_layers, stages))
-            result = self._llm._engine.run_trace(self.graph, plan)
+            result = self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
         except UnknownSiteError as exc:
             raise TraceError(str(exc)) from None
         except PlanError as exc:

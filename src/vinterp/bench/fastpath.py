@@ -143,7 +143,9 @@ def run(
                 continue
 
             def generate(kwargs: dict[str, Any] = kwargs) -> None:
-                llm.generate(texts, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+                llm.generate(
+                    texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
+                )
 
             measured = best_time(generate, repeats)
             rows.append(Row(name + size, baseline, measured, target(key), key))

@@ -23,17 +23,17 @@ def run(model: str | Path, prompts: int, repeats: int, dtype: str, selected: set
         early, late = n // 4, 3 * n // 4  # on the first and the second stage
 
         def plain() -> None:
-            llm.generate(texts, max_tokens=1)
+            llm.generate(texts, max_tokens=1, use_tqdm=False)
 
         def save_layers() -> None:
-            with llm.trace(max_tokens=1) as tr:
+            with llm.trace(max_tokens=1, use_tqdm=False) as tr:
                 for text in texts:
                     with tr.invoke(text):
                         rows = [layer.output[-1].save() for layer in llm.layers]
             assert len(rows) == n
 
         def patch() -> None:
-            with llm.trace(max_tokens=1) as tr:
+            with llm.trace(max_tokens=1, use_tqdm=False) as tr:
                 for text in texts:
                     with tr.invoke(text):
                         llm.layers[late].output[-1] = llm.layers[early].output[-1]

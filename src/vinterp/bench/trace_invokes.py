@@ -16,10 +16,10 @@ def run(llm: Any, invokes: int = 256, layer: int | None = None, repeats: int = 3
     prompts = [f"Fact number {i}: the capital of France is" for i in range(invokes)]
 
     def plain() -> None:
-        llm.generate(prompts, max_tokens=1)
+        llm.generate(prompts, max_tokens=1, use_tqdm=False)
 
     def traced() -> None:
-        with llm.trace(max_tokens=1) as tr:
+        with llm.trace(max_tokens=1, use_tqdm=False) as tr:
             saved = []
             for prompt in prompts:
                 with tr.invoke(prompt):

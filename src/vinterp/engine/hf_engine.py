@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
@@ -48,7 +49,7 @@ class HFEngine:
             return None
         return run.at_site(invoke, step, site, value)
 
-    def run_trace(self, graph: Graph, plan: Plan) -> TraceResult:
+    def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Run each invoke alone, rounds in dependency order (the reference semantics)."""
         functions = {
             "final_norm": unhooked(self.sites.final_norm),
@@ -58,12 +59,12 @@ class HFEngine:
         run = TraceRun(graph, plan, functions)
         outputs: list[Output | None] = [None] * len(graph.invokes)
         raw_hooks = install_raw_hooks(self.model, raw_sites_of(graph), self._at_site)
+        order = [k for round_ in plan.rounds for k in round_]
         try:
-            for round_ in plan.rounds:
-                for k in round_:
-                    invoke = graph.invokes[k]
-                    self._check_sampling(invoke.sampling)
-                    outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, run, k)
+            for k in tqdm(order, desc="invokes", disable=not use_tqdm or len(order) < 2):
+                invoke = graph.invokes[k]
+                self._check_sampling(invoke.sampling)
+                outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, run, k)
         finally:
             for handle in raw_hooks:
                 handle.remove()
@@ -75,11 +76,21 @@ class HFEngine:
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return {i for i in ids if i is not None}
 
-    def generate(self, prompts: list[list[int]], sampling: list[dict[str, Any]]) -> list[Output]:
-        """Generate for token-id prompts, in order, with vLLM's stopping rules."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[dict[str, Any]],
+        fast: None = None,
+        use_tqdm: bool = True,
+    ) -> list[Output]:
+        """Generate for token-id prompts, in order, with vLLM's stopping rules (`fast` specs
+        run as traces on this backend: api.fast_trace)."""
         for s in sampling:
             self._check_sampling(s)
-        return [self._generate_one(ids, s) for ids, s in zip(prompts, sampling)]
+        pairs = tqdm(
+            list(zip(prompts, sampling)), desc="prompts", disable=not use_tqdm or len(prompts) < 2
+        )
+        return [self._generate_one(ids, s) for ids, s in pairs]
 
     def set_global_steering(self, specs: list[Any]) -> None:
         """Nothing to send: on HF, steering is recorded into each trace (api.fast_trace)."""

@@ -51,6 +51,22 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
         )
 
 
+def vinterp_engine_settings(site_paths: dict[str, str] | None = None) -> dict[str, Any]:
+    """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
+    `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
+    tokens), a fixed seed."""
+    return {
+        "enable_prefix_caching": False,
+        "seed": 0,
+        "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
+        "additional_config": {
+            # the plugin installs sites where this key is; part of the compile-cache key
+            CONFIG_KEY: SITES_LAYOUT_VERSION,
+            "vinterp_site_paths": site_paths or {},
+        },
+    }
+
+
 class VLLMEngine:
     """Owns one `vllm.LLM`; `shutdown()` stops its engine core and worker processes."""
 
@@ -67,18 +83,7 @@ class VLLMEngine:
 
         if _on_cpu():
             configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
-        kwargs: dict[str, Any] = {
-            "dtype": dtype,
-            "enable_prefix_caching": False,  # DESIGN.md lesson 1: hooks would miss cached tokens
-            "seed": 0,
-            "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
-            "additional_config": {
-                # the plugin installs sites where this key is; part of the compile-cache key
-                CONFIG_KEY: SITES_LAYOUT_VERSION,
-                "vinterp_site_paths": site_paths or {},
-            },
-        }
-        kwargs.update(engine_kwargs)
+        kwargs = {"dtype": dtype, **vinterp_engine_settings(site_paths), **engine_kwargs}
         self.llm = vllm.LLM(
             model=str(model),
             tensor_parallel_size=tensor_parallel_size,
@@ -105,6 +110,7 @@ class VLLMEngine:
         prompts: list[list[int]],
         sampling: list[dict[str, Any]],
         fast: list[dict[str, Any] | None] | None = None,
+        use_tqdm: bool = True,
     ) -> list[Output]:
         """Generate for token-id prompts, in order; `fast` carries steering/capture data."""
         import vllm
@@ -117,17 +123,13 @@ class VLLMEngine:
         results = self.llm.generate(
             [self._prompt(ids, f is not None) for ids, f in zip(prompts, fast)],
             params,
-            use_tqdm=False,
+            use_tqdm=use_tqdm,
         )
         return [_to_output(r) for r in results]
 
     def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
         """Captured rows per capture id and site, merged over workers (PP stages differ)."""
-        merged: dict[str, dict[str, Any]] = {}
-        for per_worker in self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,)):
-            for capture_id, sites in per_worker.items():
-                merged.setdefault(capture_id, {}).update(sites)
-        return merged
+        return merge_captures(self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,)))
 
     def step_stats(self) -> dict[str, int]:
         """Forward steps run so far, and how many of them ran uncompiled (first worker)."""
@@ -141,7 +143,7 @@ class VLLMEngine:
         wire = None if spec is None else spec.to_wire()
         self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
 
-    def run_trace(self, graph: Graph, plan: Plan) -> TraceResult:
+    def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Send the graph once, run the invokes round by round, collect saves and failure."""
         import vllm
 
@@ -161,7 +163,8 @@ class VLLMEngine:
                     for k in round_
                 ]
                 prompts = [self._prompt(graph.invokes[k].prompt, True) for k in round_]
-                for k, result in zip(round_, self.llm.generate(prompts, params, use_tqdm=False)):
+                results = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+                for k, result in zip(round_, results):
                     outputs[k] = _to_output(result)
         finally:
             per_worker = self.llm.collective_rpc("vinterp_collect", args=(trace_id,))
@@ -184,6 +187,16 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM engine shutdown raised", exc_info=True)
+
+
+def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One {capture id: {site: rows}} from every worker's share (PP stages hold different
+    sites; other TP ranks send nothing)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for captured in per_worker:
+        for capture_id, sites in captured.items():
+            merged.setdefault(capture_id, {}).update(sites)
+    return merged
 
 
 def _to_output(result: Any) -> Output:

@@ -88,3 +88,7 @@ class VinterpWorkerExtension:
 
     def vinterp_step_stats(self) -> dict[str, int]:
         return dict(self._vinterp.stats)
+
+    def vinterp_held_state(self) -> dict[str, int]:
+        """How much per-trace state this worker holds (zero when nothing is running)."""
+        return self._vinterp.held_state()

@@ -43,15 +43,21 @@ def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": dtype, "shape": list(t.shape), "data": data}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def tensor_from_wire(obj: Any) -> torch.Tensor:
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
         raise WireError("a tensor is {dtype, shape, data}")
-    dtype = DTYPES.get(obj["dtype"])
+    dtype = DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None
     if dtype is None:
-        raise WireError(f"tensor dtype {obj['dtype']!r} not allowed; use one of {sorted(DTYPES)}")
+        raise WireError(
+            f"tensor dtype {obj['dtype']!r:.40} not allowed; use one of {sorted(DTYPES)}"
+        )
     shape = obj["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise WireError(f"bad tensor shape {shape!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireError(f"bad tensor shape {shape!r:.80}")
     data = obj["data"]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not isinstance(data, (bytes, bytearray)) or len(data) != math.prod(shape) * itemsize:
@@ -102,41 +108,90 @@ def _check_arg(value: Any, node_id: int, depth: int = 0) -> None:
         _check_arg(value["items"], node_id, depth + 1)
 
 
+def _list(obj: dict[str, Any], key: str) -> list[Any]:
+    value = obj.get(key, [])
+    if not isinstance(value, list):
+        raise WireError(f"{key} must be a list")
+    return value
+
+
+def _block(raw: Any, index: int) -> Block:
+    if not (isinstance(raw, list) and len(raw) == 2 and _is_int(raw[0]) and raw[0] >= 0):
+        raise WireError(f"block {index}: a block is [start, stop] with start >= 0")
+    if not (raw[1] is None or (_is_int(raw[1]) and raw[1] > raw[0])):
+        raise WireError(f"block {index}: stop must be None or after start")
+    return Block(raw[0], raw[1])
+
+
+def _scalar_or_list(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _invoke(raw: Any, index: int) -> Invoke:
+    if not isinstance(raw, dict) or set(raw) != {"prompt", "sampling"}:
+        raise WireError(f"invoke {index}: an invoke is {{prompt, sampling}}")
+    prompt, sampling = raw["prompt"], raw["sampling"]
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and t >= 0 for t in prompt):
+        raise WireError(f"invoke {index}: the prompt must be a non-empty list of token ids")
+    if not isinstance(sampling, dict) or not all(
+        isinstance(k, str) and _scalar_or_list(v) for k, v in sampling.items()
+    ):
+        raise WireError(f"invoke {index}: sampling must map option names to plain values")
+    return Invoke(list(prompt), dict(sampling))
+
+
+def _node(raw: Any, node_id: int, graph: Graph, sites: SiteOrder) -> Node:
+    if not isinstance(raw, list) or len(raw) != 7:
+        raise WireError(
+            f"node {node_id}: a node is [kind, target, args, kwargs, invoke, block, line]"
+        )
+    kind, target, args, kwargs, invoke, block, line = raw
+    if not isinstance(kind, str) or kind not in NODE_KINDS:
+        raise WireError(f"node {node_id}: unknown kind {kind!r:.40}")
+    if not isinstance(target, str):
+        raise WireError(f"node {node_id}: the target must be a string")
+    if kind in ("read", "write"):
+        sites[target]  # raises UnknownSiteError with a helpful message
+    elif kind == "call" and target not in ALL_OPS:
+        raise WireError(f"node {node_id}: operation {target!r:.60} is not allowed")
+    if not isinstance(args, list):
+        raise WireError(f"node {node_id}: args must be a list")
+    if kind == "const" and not (
+        len(args) == 1 and _is_int(args[0]) and 0 <= args[0] < len(graph.tensors)
+    ):
+        raise WireError(f"node {node_id}: const must name one of the graph's tensors")
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise WireError(f"node {node_id}: kwargs must map names to values")
+    _check_arg(args, node_id)
+    _check_arg(list(kwargs.values()), node_id)
+    if not (_is_int(block) and (block == STEP_ZERO or 0 <= block < len(graph.blocks))):
+        raise WireError(f"node {node_id}: unknown iteration block {block!r:.40}")
+    if not (_is_int(invoke) and -1 <= invoke < len(graph.invokes)):
+        raise WireError(f"node {node_id}: unknown invoke {invoke!r:.40}")
+    if not isinstance(line, str):
+        raise WireError(f"node {node_id}: line must be a string")
+    return Node(kind, target, list(args), dict(kwargs), invoke, block, line)
+
+
 def from_wire(obj: Any, sites: SiteOrder) -> Graph:
-    """Rebuild and validate a graph; raises WireError naming the first problem."""
+    """Rebuild and validate a graph; raises WireError (or UnknownSiteError for a site name)
+    naming the first problem, and nothing else, whatever the input."""
     if not isinstance(obj, dict) or obj.get("version") != WIRE_VERSION:
         raise WireError(f"not a vinterp graph of wire version {WIRE_VERSION}")
-    graph = Graph(
-        tensors=[tensor_from_wire(t) for t in obj.get("tensors", [])],
-        blocks=[Block(int(a), None if b is None else int(b)) for a, b in obj.get("blocks", [])],
-        invokes=[Invoke(list(i["prompt"]), dict(i["sampling"])) for i in obj.get("invokes", [])],
-    )
-    nodes = obj.get("nodes", [])
+    nodes = _list(obj, "nodes")
     if len(nodes) > MAX_NODES:
         raise WireError(f"graph has {len(nodes)} nodes; the limit is {MAX_NODES}")
+    graph = Graph(
+        tensors=[tensor_from_wire(t) for t in _list(obj, "tensors")],
+        blocks=[_block(b, i) for i, b in enumerate(_list(obj, "blocks"))],
+        invokes=[_invoke(v, i) for i, v in enumerate(_list(obj, "invokes"))],
+    )
     for node_id, raw in enumerate(nodes):
-        kind, target, args, kwargs, invoke, block, line = raw
-        if kind not in NODE_KINDS:
-            raise WireError(f"node {node_id}: unknown kind {kind!r}")
-        if kind in ("read", "write"):
-            sites[target]  # raises UnknownSiteError with a helpful message
-        elif kind == "call" and target not in ALL_OPS:
-            raise WireError(f"node {node_id}: operation {target!r} is not allowed")
-        elif kind == "const" and not (
-            len(args) == 1 and isinstance(args[0], int) and 0 <= args[0] < len(graph.tensors)
-        ):
-            raise WireError(f"node {node_id}: const must name one of the graph's tensors")
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise WireError(f"node {node_id}: kwargs must map names to values")
-        _check_arg(list(args), node_id)
-        _check_arg(list(kwargs.values()), node_id)
-        if not (block == STEP_ZERO or 0 <= block < len(graph.blocks)):
-            raise WireError(f"node {node_id}: unknown iteration block {block}")
-        if not -1 <= invoke < len(graph.invokes):
-            raise WireError(f"node {node_id}: unknown invoke {invoke}")
-        graph.nodes.append(Node(kind, target, list(args), dict(kwargs), invoke, block, str(line)))
-    for s in obj.get("saves", []):
-        if not isinstance(s, int) or not 0 <= s < len(graph.nodes):
-            raise WireError(f"save of unknown node {s!r}")
+        graph.nodes.append(_node(raw, node_id, graph, sites))
+    for s in _list(obj, "saves"):
+        if not _is_int(s) or not 0 <= s < len(graph.nodes):
+            raise WireError(f"save of unknown node {s!r:.40}")
         graph.saves.append(s)
     return graph

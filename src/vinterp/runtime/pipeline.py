@@ -9,6 +9,7 @@ graph and plan, so sender and receiver agree without a handshake.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,9 @@ from vinterp.ir.graph import node_inputs
 from vinterp.ir.plan import ANY_TIME
 from vinterp.runtime.executor import Failure, TraceRun
 
-PREFIX = "vinterp:"
+# Two byte tensors (vLLM's CPU transport sends tensors only, at most 8 per step): the values'
+# bytes, and the JSON index [(key, dtype, shape, size)] of what they hold.
+DATA, INDEX = "vinterp:data", "vinterp:index"
 
 
 def last_stage_start(num_layers: int, pipeline_size: int) -> int | None:
@@ -60,9 +63,10 @@ class StageValues:
     def forget(self, trace_id: str) -> None:
         self.exports.pop(trace_id, None)
 
-    def pack(self, slots: Iterable[Any]) -> dict[str, torch.Tensor]:
-        """The values later stages need from this step's traced invokes."""
-        out: dict[str, torch.Tensor] = {}
+    def pack(self, slots: Iterable[Any]) -> dict[str, Any]:
+        """The values later stages need from this step's traced invokes, as one byte tensor
+        and its index (vLLM's CPU transport carries at most 8 tensors per step)."""
+        values: dict[str, torch.Tensor] = {}
         for slot in slots:
             run = slot.run
             for node_id in self.exports.get(slot.trace_id, {}).get(slot.invoke, ()):
@@ -74,8 +78,8 @@ class StageValues:
                     line = run.graph.nodes[node_id].line
                     run.failure = Failure(line, f"{type(exc).__name__}: {exc}", slot.invoke, 0)
                     continue
-                out[f"{PREFIX}{slot.trace_id}:{slot.invoke}:{node_id}"] = value.contiguous()
-        return out
+                values[f"{slot.trace_id}:{slot.invoke}:{node_id}"] = value
+        return _to_bytes(values) if values else {}
 
     def take(self, received: Any) -> None:
         """Remove vinterp's values from the IntermediateTensors a stage received (vLLM's V1
@@ -83,16 +87,35 @@ class StageValues:
         Runs every step: the previous stage may send values that this one no longer wants."""
         arrived = object.__getattribute__(received, "tensors")  # keys known before the data
         self.received = {}
-        if any(key.startswith(PREFIX) for key in arrived):
+        if DATA in arrived:
             tensors = received.tensors  # waits for the transfer (and its TP all-gather)
-            for key in [k for k in tensors if k.startswith(PREFIX)]:
-                self.received[key] = tensors.pop(key)
+            self.received = _from_bytes(tensors.pop(DATA), tensors.pop(INDEX))
 
     def deliver(self, slots: Iterable[Any]) -> None:
         """Put the received values into their traces, as if read on this stage."""
         for slot in slots:
-            prefix = f"{PREFIX}{slot.trace_id}:{slot.invoke}:"
+            prefix = f"{slot.trace_id}:{slot.invoke}:"
             for key in [k for k in self.received if k.startswith(prefix)]:
                 node_id = int(key.rsplit(":", 1)[1])
                 slot.run.values[slot.run.key(node_id, slot.step)] = self.received.pop(key)
         self.received.clear()
+
+
+def _to_bytes(values: dict[str, torch.Tensor]) -> dict[str, Any]:
+    index, parts = [], []
+    for key, value in values.items():
+        raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+        index.append((key, str(value.dtype).removeprefix("torch."), list(value.shape), raw.numel()))
+        parts.append(raw)
+    encoded = bytearray(json.dumps(index).encode())
+    device = parts[0].device
+    return {DATA: torch.cat(parts), INDEX: torch.frombuffer(encoded, dtype=torch.uint8).to(device)}
+
+
+def _from_bytes(data: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
+    values, offset = {}, 0
+    for key, dtype, shape, size in json.loads(index.cpu().numpy().tobytes()):
+        raw = data[offset : offset + size]
+        values[key] = raw.view(getattr(torch, dtype)).reshape(shape).clone()
+        offset += size
+    return values

@@ -32,6 +32,7 @@ from vinterp.runtime.tensor_parallel import VLLMParams, full_logits, full_raw
 from vinterp.sites.modules import SiteModules, unhooked
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
+from vinterp.wire.json_form import payload_from_text
 
 EXTRA_ARGS_KEY = "vinterp"
 
@@ -139,6 +140,14 @@ class WorkerRuntime:
             saved, failure = {}, Failure("", message, -1, 0).__dict__
         return {"saved": saved, "failure": failure}
 
+    def held_state(self) -> dict[str, int]:
+        return {
+            "traces": len(self.traces),
+            "requests": len(self.requests),
+            "exports": len(self.pipeline.exports),
+            "received": len(self.pipeline.received),
+        }
+
     @property
     def python_step(self) -> bool:
         """Whether this step runs uncompiled, with Python at the sites."""
@@ -174,7 +183,10 @@ class WorkerRuntime:
 
     def _describe(self, new: Any) -> Scheduled:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
-        fast = decode_request(extra[FAST_KEY], self.order) if extra.get(FAST_KEY) else None
+        payload = extra.get(FAST_KEY)
+        if isinstance(payload, str):  # from `vinterp serve` (vLLM's server passes text only)
+            payload = extra[FAST_KEY] = payload_from_text(payload)
+        fast = decode_request(payload, self.order) if payload else None
         traced = extra.get(EXTRA_ARGS_KEY)
         trace = (traced["trace"], int(traced["invoke"])) if traced else None
         prompt_len = len(new.prompt_token_ids or [])

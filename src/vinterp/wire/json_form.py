@@ -1,0 +1,97 @@
+"""The JSON form of specs and captures (API.md section 6): what an HTTP client sends in the
+`vinterp` extra body field and gets back in the response. Tensors travel as base64 bytes
+with a dtype and shape; decoding checks every field and raises only WireError."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from typing import Any
+
+import torch
+
+from vinterp.ir.wire import DTYPES, WireError
+
+JSON_DTYPES = ("float32", "float16", "bfloat16")
+MAX_TENSOR_BYTES = 64 << 20  # one steering vector or captured site is far smaller
+
+
+def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().to("cpu").contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in JSON_DTYPES:
+        t, dtype = t.float(), "float32"
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(t.shape)}
+
+
+def tensor_from_json(obj: Any, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(obj, dict) or set(obj) != {"data", "dtype", "shape"}:
+        raise WireError(f"{what}: a tensor is {{data (base64), dtype, shape}}")
+    dtype, shape = obj["dtype"], obj["shape"]
+    if dtype not in JSON_DTYPES:
+        raise WireError(f"{what}: dtype {dtype!r:.40} not allowed; use one of {JSON_DTYPES}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WireError(f"{what}: bad shape {shape!r:.80}")
+    size = math.prod(shape) * DTYPES[dtype].itemsize
+    if size > MAX_TENSOR_BYTES:
+        raise WireError(f"{what}: {size} bytes; the limit is {MAX_TENSOR_BYTES}")
+    if not isinstance(obj["data"], str):
+        raise WireError(f"{what}: data must be a base64 string")
+    try:
+        data = base64.b64decode(obj["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise WireError(f"{what}: data is not valid base64") from None
+    if len(data) != size:
+        raise WireError(f"{what}: {len(data)} bytes of data for shape {shape} and {dtype}")
+    if not data:
+        return torch.empty(shape, dtype=DTYPES[dtype])
+    return torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).reshape(shape).clone()
+
+
+def captures_to_json(captures: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {site: tensor_to_json(value) for site, value in captures.items()}
+
+
+def captures_from_json(obj: Any) -> dict[str, torch.Tensor]:
+    """`{site: (P, H) tensor}` from a response's `vinterp.captures` field."""
+    if not isinstance(obj, dict):
+        raise WireError("captures: expected {site: tensor}")
+    return {
+        str(site): tensor_from_json(value, f"captures[{site!r}]") for site, value in obj.items()
+    }
+
+
+def payload_to_text(payload: Any) -> str:
+    """A worker payload (nested lists/dicts with raw tensor bytes) as JSON text: the only
+    form vLLM's OpenAI server passes on to `SamplingParams.extra_args` (`vllm_xargs`)."""
+
+    def encode(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray)):
+            return {"__b64__": base64.b64encode(value).decode("ascii")}
+        if isinstance(value, dict):
+            return {k: encode(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [encode(v) for v in value]
+        return value
+
+    return json.dumps(encode(payload))
+
+
+def payload_from_text(text: str) -> Any:
+    """Inverse of `payload_to_text` (the text comes from vinterp's own server code)."""
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {"__b64__"}:
+                return base64.b64decode(value["__b64__"])
+            return {k: decode(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [decode(v) for v in value]
+        return value
+
+    return decode(json.loads(text))
