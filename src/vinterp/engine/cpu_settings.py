@@ -10,7 +10,14 @@ from __future__ import annotations
 import os
 
 KV_CACHE_GIB = "1"
-_USER_ENV = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+# Values vinterp set (and a child process inherited) are not the user's: the child recomputes
+# them for its own engines (a TP=2 script started from a process whose last engine had one
+# worker would otherwise inherit a one-worker binding).
+_OURS = "VINTERP_CPU_SETTINGS"
+_USER_ENV = {
+    k: os.environ.get(k) for k in _SETTINGS if k not in os.environ.get(_OURS, "").split(",")
+}
 
 
 def thread_binding(world_size: int, cpus: list[int] | None = None) -> str:
@@ -34,7 +41,11 @@ def thread_binding(world_size: int, cpus: list[int] | None = None) -> str:
 
 def configure_cpu_environment(world_size: int) -> None:
     """Set the CPU engine's environment for a `world_size`-worker engine, respecting the user's."""
-    if _USER_ENV["VLLM_CPU_KVCACHE_SPACE"] is None:
+    ours = []
+    if _USER_ENV.get("VLLM_CPU_KVCACHE_SPACE") is None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
-    if _USER_ENV["VLLM_CPU_OMP_THREADS_BIND"] is None:
+        ours.append("VLLM_CPU_KVCACHE_SPACE")
+    if _USER_ENV.get("VLLM_CPU_OMP_THREADS_BIND") is None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(world_size)
+        ours.append("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ[_OURS] = ",".join(ours)
