@@ -184,7 +184,7 @@ def vinterp_engine(path: Path, norm: float | None, **engine_kwargs: Any) -> dict
         free_memory()
 
 
-def plain_tokens(path: Path) -> list[list[int]]:
+def plain_tokens(path: Path, **engine_kwargs: Any) -> list[list[int]]:
     """Greedy 16-token ids of the 8 prompts from plain vLLM (no vinterp in the engine)."""
     import vllm
     from transformers import AutoTokenizer
@@ -194,7 +194,7 @@ def plain_tokens(path: Path) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     prompts = [{"prompt_token_ids": tokenizer(p).input_ids} for p in PROMPTS]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=16)
-    with plain_vllm(path, DTYPE) as llm:
+    with plain_vllm(path, DTYPE, **engine_kwargs) as llm:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -258,6 +258,12 @@ def main() -> None:
     parser.add_argument("--runner", choices=("v1", "v2"), default=None, help="default: vLLM's")
     parser.add_argument("--stages", default="plain,A,B")
     parser.add_argument("--keep", type=Path, default=None)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="every engine's (the prompts are short; the bundled model's own is 8192)",
+    )
     args = parser.parse_args()
     keep = args.keep or Path(f"/tmp/gpu_check/{args.model}-{args.runner or 'default'}")
     keep.mkdir(parents=True, exist_ok=True)
@@ -279,11 +285,14 @@ def main() -> None:
             return result
         return torch.load(file) if file.exists() else None
 
-    plain = kept("plain", "plain vLLM", lambda: plain_tokens(path))
-    a = kept("A", "A: vinterp, CUDA graphs", lambda: vinterp_engine(path, None))
+    sized = {"max_model_len": args.max_model_len}
+    plain = kept("plain", "plain vLLM", lambda: plain_tokens(path, **sized))
+    a = kept("A", "A: vinterp, CUDA graphs", lambda: vinterp_engine(path, None, **sized))
     norm = a["norm"] if a else None
     b = kept(
-        "B", "B: vinterp, enforce_eager", lambda: vinterp_engine(path, norm, enforce_eager=True)
+        "B",
+        "B: vinterp, enforce_eager",
+        lambda: vinterp_engine(path, norm, enforce_eager=True, **sized),
     )
 
     checks = compare(a, b) if a and b else []

@@ -8,6 +8,12 @@ import time
 from pathlib import Path
 
 from vinterp.bench.fastpath import WORKLOADS
+from vinterp.bench.peers.registry import PEERS
+
+PEER_KEYS = tuple(peer.module for peer in PEERS)
+# `vinterp bench` sizes (prompts, tokens, invokes, repeats); --quick for CI-sized runs.
+FULL = {"prompts": 64, "max_tokens": 32, "invokes": 256, "repeats": 3}
+QUICK = {"prompts": 16, "max_tokens": 8, "invokes": 32, "repeats": 2}
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -22,11 +28,16 @@ def _prepare(_: argparse.Namespace) -> None:
     print(f"bundled model ready at {bundled()}")
 
 
+def _quiet_logs() -> None:
+    """vLLM's start-up log, in this process and the engine's (and the bench's peers')."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # inherited by the engine's processes
+
+
 def _demo(args: argparse.Namespace) -> None:
-    if not args.verbose:  # vLLM's start-up log, in this process and the engine's
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("PYTHONWARNINGS", "ignore")  # inherited by the engine's processes
+    if not args.verbose:
+        _quiet_logs()
     import vinterp
 
     start = time.perf_counter()
@@ -70,26 +81,80 @@ def _demo_trace(llm: object, out_dir: Path) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    import vinterp
-    from vinterp.bench import fastpath, harness
+    import shlex
+    import sys
 
+    from tqdm import tqdm
+
+    import vinterp
+    from vinterp.bench import fastpath, harness, report
+    from vinterp.bench.peers import suite
+
+    if args.setup_peers:
+        _setup_peers(args.peers)
+        return
+    if not args.verbose:
+        _quiet_logs()
     model = args.model or vinterp.models.bundled()
     dtype = fastpath.resolve_dtype(model, args.dtype)
+    quick = QUICK if args.quick else FULL
+    size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in quick.items()}
+    workloads = list(fastpath.WORKLOADS) if args.workloads is None else args.workloads
+    bar = tqdm(total=len(workloads) + len(args.peers) + bool(args.peers), desc="bench")
+
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label)
+        bar.update()
+
     rows = fastpath.run(
         model,
-        prompts=args.prompts,
-        max_tokens=args.max_tokens,
-        repeats=args.repeats,
+        prompts=size["prompts"],
+        max_tokens=size["max_tokens"],
+        repeats=size["repeats"],
         dtype=dtype,
-        workloads=args.workloads,
-        invokes=args.invokes,
+        workloads=workloads,
+        invokes=size["invokes"],
+        progress=progress,
+        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
-    print(harness.header())
-    for row in rows:
-        print(row.line())
+    peer_rows = []
+    if args.peers:
+        sizes = suite.QUICK if args.quick else suite.Sizes()
+        peers = [peer for peer in PEERS if peer.module in args.peers]
+        logs = Path(args.out) / "peer-logs" if args.out else None
+        peer_rows = suite.run(model, sizes, size["repeats"], peers, progress, logs)
+    bar.close()
+    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    result = report.Report(harness.machine_info(dtype, model), command, rows, peer_rows)
+    print(report.markdown(result))
     if args.json:
-        harness.write_json(args.json, rows, harness.machine_info(dtype, model))
+        report.write_json(result, args.json)
         print(f"rows written to {args.json}")
+    if args.out:
+        print("written: " + ", ".join(str(p) for p in report.write(result, args.out)))
+
+
+def _setup_peers(names: list[str]) -> None:
+    """(Re)build the environments of the selected peers from the package index."""
+    from vinterp.bench.peers.envs import EnvError, ensure
+
+    built: set[str] = set()
+    for peer in PEERS:
+        if peer.module not in names or peer.env is None or peer.env.name in built:
+            continue
+        built.add(peer.env.name)
+        try:
+            print(f"{peer.env.name}: ready at {ensure(peer.env, rebuild=True)}")
+        except EnvError as exc:
+            print(f"{peer.env.name}: FAILED: {exc}")
+
+
+def _peer_list(text: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip() and k.strip() != "none"]
+    unknown = [k for k in keys if k not in PEER_KEYS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(PEER_KEYS)}")
+    return keys
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -99,6 +164,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _workload_list(text: str) -> list[str]:
+    if text.strip() == "none":  # peers only
+        return []
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in WORKLOADS]
     if unknown or not keys:
@@ -161,12 +228,15 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--out", default="vinterp-demo", help="where the picture goes")
     demo.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs, progress bars")
     demo.set_defaults(run=_demo)
-    bench = commands.add_parser("bench", help="benchmarks against plain vLLM, same engine")
+    bench = commands.add_parser(
+        "bench", help="benchmarks against plain vLLM (same engine) and against peer tools"
+    )
     bench.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
-    bench.add_argument("--invokes", type=int, default=256)
-    bench.add_argument("--prompts", type=int, default=64)
-    bench.add_argument("--max-tokens", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
+    bench.add_argument("--invokes", type=int, default=None, help=f"default {FULL['invokes']}")
+    bench.add_argument("--prompts", type=int, default=None, help=f"default {FULL['prompts']}")
+    bench.add_argument("--max-tokens", type=int, default=None, help=f"default {FULL['max_tokens']}")
+    bench.add_argument("--repeats", type=int, default=None, help=f"default {FULL['repeats']}")
     bench.add_argument(
         "--dtype", default=None, help="engine dtype for vLLM and vinterp (default: checkpoint's)"
     )
@@ -174,8 +244,28 @@ def main(argv: list[str] | None = None) -> None:
         "--workloads",
         type=_workload_list,
         default=None,
-        help=f"comma list of rows to run (default all): {', '.join(WORKLOADS)}",
+        help=f"comma list of rows to run (default all, 'none' for none): {', '.join(WORKLOADS)}",
     )
+    bench.add_argument(
+        "--peers",
+        type=_peer_list,
+        default=list(PEER_KEYS),
+        help=f"comma list of peer tools (default all, 'none' for none): {', '.join(PEER_KEYS)}",
+    )
+    bench.add_argument(
+        "--setup-peers",
+        action="store_true",
+        help="(re)build the peers' environments from the package index, then stop",
+    )
+    bench.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="every engine's (plain and vinterp); default the model's. On a GPU, 2048 starts "
+        "faster than the bundled model's 8192",
+    )
+    bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json/.md/.png")
+    bench.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     bench.set_defaults(run=_bench)
     serve = commands.add_parser(

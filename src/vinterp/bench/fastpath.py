@@ -3,7 +3,7 @@ same run, same dtype and engine settings. One engine is alive at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,15 @@ from typing import Any
 import torch
 
 from vinterp.bench import pipeline, trace_invokes
-from vinterp.bench.harness import REFERENCE, Row, best_time, device_kind, free_memory, target
+from vinterp.bench.harness import (
+    REFERENCE,
+    Row,
+    Timing,
+    device_kind,
+    free_memory,
+    target,
+    timed,
+)
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
 EAGER = "eager"
@@ -40,9 +48,11 @@ def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
 
 
 @contextmanager
-def plain_vllm(model: str | Path, dtype: str, enforce_eager: bool = False) -> Iterator[Any]:
-    """A `vllm.LLM` without vinterp's plugin or site ops, with vinterp's engine settings;
-    shut down (and memory freed) when the block ends."""
+def plain_vllm(
+    model: str | Path, dtype: str, enforce_eager: bool = False, **engine_kwargs: Any
+) -> Iterator[Any]:
+    """A `vllm.LLM` without vinterp's plugin or site ops, with vinterp's engine settings
+    (and `engine_kwargs`); shut down (and memory freed) when the block ends."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -56,6 +66,7 @@ def plain_vllm(model: str | Path, dtype: str, enforce_eager: bool = False) -> It
         enable_prefix_caching=False,
         seed=0,
         enforce_eager=enforce_eager,
+        **engine_kwargs,
     )
     try:
         yield llm
@@ -72,13 +83,14 @@ def plain_vllm_time(
     repeats: int,
     dtype: str,
     enforce_eager: bool = False,
-) -> float:
-    """Best wall time of plain vLLM generating `max_tokens` greedy tokens per prompt."""
+    **engine_kwargs: Any,
+) -> Timing:
+    """Wall times of plain vLLM generating `max_tokens` greedy tokens per prompt."""
     import vllm
 
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with plain_vllm(model, dtype, enforce_eager) as llm:
-        return best_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
+    with plain_vllm(model, dtype, enforce_eager, **engine_kwargs) as llm:
+        return timed(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
 
 
 def _workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
@@ -112,31 +124,45 @@ def run(
     dtype: str | None = None,
     workloads: list[str] | None = None,
     invokes: int = 256,
+    progress: Callable[[str], None] = lambda _: None,
+    **engine_kwargs: Any,
 ) -> list[Row]:
     """Rows for the selected `workloads` keys (default all), each engine shut down before
-    the next starts."""
+    the next starts; `progress(key)` is called as each selected key is done or skipped.
+    `engine_kwargs` (e.g. max_model_len) go to every engine, plain and vinterp alike."""
     import vinterp
 
-    selected = set(workloads or WORKLOADS)
+    selected = set(WORKLOADS if workloads is None else workloads)
     dtype = resolve_dtype(model, dtype)
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(prompts)]
     size = f" ({prompts}x{max_tokens})"
     rows: list[Row] = []
-    baseline = 0.0
+    tokens = prompts * max_tokens
+
+    def done(*keys: str) -> None:
+        for key in selected.intersection(keys):
+            progress(key)
+
+    baseline = Timing((0.0,))
     if selected - {trace_invokes.KEY, *pipeline.KEYS}:  # the others: ratios to plain vLLM
-        baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype)
+        baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype, **engine_kwargs)
     if EAGER in selected and device_kind() == "cuda":
-        eager = plain_vllm_time(model, texts, max_tokens, repeats, dtype, enforce_eager=True)
-        rows.append(Row("plain vLLM enforce_eager=True" + size, baseline, eager, REFERENCE, EAGER))
+        eager = plain_vllm_time(
+            model, texts, max_tokens, repeats, dtype, enforce_eager=True, **engine_kwargs
+        )
+        name = "plain vLLM enforce_eager=True" + size
+        rows.append(Row(name, baseline, eager, REFERENCE, EAGER, tokens))
     elif EAGER in selected:
         print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
+    done(EAGER)
     if selected & set(pipeline.KEYS) and device_kind() == "cuda" and torch.cuda.device_count() < 2:
         print("PP=2 rows: skipped (one GPU)")
     elif selected & set(pipeline.KEYS):
         rows += pipeline.run(model, min(prompts, 64), repeats, dtype, selected)
+    done(*pipeline.KEYS)
     if not selected & set(WORKLOADS[1:]) - set(pipeline.KEYS):
         return rows
-    llm = vinterp.LLM(model, dtype=dtype)
+    llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
     try:
         for key, name, kwargs in _workloads(llm):
             if key not in selected:
@@ -147,10 +173,12 @@ def run(
                     texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
                 )
 
-            measured = best_time(generate, repeats)
-            rows.append(Row(name + size, baseline, measured, target(key), key))
+            measured = timed(generate, repeats)
+            rows.append(Row(name + size, baseline, measured, target(key), key, tokens))
+            done(key)
         if trace_invokes.KEY in selected:
             rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
+            done(trace_invokes.KEY)
     finally:
         llm.shutdown()
         free_memory()

@@ -1,18 +1,19 @@
-"""Timing and reporting shared by the benchmarks: best-of-n wall time, ratio to baseline,
-targets per device kind, machine info, memory freed between engines."""
+"""Timing shared by the benchmarks: repeated wall times after a warm-up (median and spread),
+ratio to baseline, targets per device kind, machine info, memory freed between engines."""
 
 from __future__ import annotations
 
 import datetime
 import gc
-import json
 import math
+import os
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vinterp.bench.peers.timing import Timing, measure
 
 # A row without a target: a reference measurement, reported but never judged.
 REFERENCE = math.inf
@@ -44,15 +45,22 @@ TARGETS: dict[str, dict[str, float]] = {
 
 @dataclass
 class Row:
+    """One workload against its baseline; `tokens` (generated in one run) gives tokens/s."""
+
     name: str
-    baseline_s: float
-    vinterp_s: float
+    baseline: Timing
+    measured: Timing
     target: float
     key: str = ""
+    tokens: int = 0
 
     @property
     def ratio(self) -> float:
-        return self.vinterp_s / self.baseline_s
+        return self.measured.median / self.baseline.median
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.measured.median if self.tokens else None
 
     @property
     def verdict(self) -> str:
@@ -60,39 +68,28 @@ class Row:
             return "reference"
         return "ok" if self.ratio <= self.target else "OVER TARGET"
 
-    def line(self) -> str:
-        target = "(no target)" if math.isinf(self.target) else f"(target <= {self.target:.2f}x)"
-        return (
-            f"{self.name:<44} {self.baseline_s:8.3f} s {self.vinterp_s:8.3f} s "
-            f"{self.ratio:6.2f}x  {target} {self.verdict}"
-        )
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; a reference row's target is null."""
         return {
             "key": self.key,
             "name": self.name,
-            "baseline_s": self.baseline_s,
-            "vinterp_s": self.vinterp_s,
+            "baseline": self.baseline.to_dict(),
+            "vinterp": self.measured.to_dict(),
             "ratio": self.ratio,
+            "tokens_per_s": self.tokens_per_s,
             "target": None if math.isinf(self.target) else self.target,
             "verdict": self.verdict,
         }
 
 
+def timed(fn: Callable[[], object], repeats: int) -> Timing:
+    """Wall times of `repeats` runs after one warm-up."""
+    return measure(fn, repeats)[0]
+
+
 def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` runs after one warm-up (first runs pay one-off costs)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def header() -> str:
-    return f"{'workload':<44} {'baseline':>10} {'measured':>10} {'ratio':>7}"
+    """Best wall time of `repeats` runs after one warm-up (scripts/gpu_check.py's measure)."""
+    return timed(fn, repeats).best
 
 
 def device_kind() -> str:
@@ -121,17 +118,23 @@ def machine_info(dtype: str, model: str | Path) -> dict[str, Any]:
     import torch
 
     kind = device_kind()
-    device = torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor()
+    device = torch.cuda.get_device_name(0) if kind == "cuda" else _cpu_name()
     return {
-        "device": device or platform.machine(),
+        "device": device,
         "device_kind": kind,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
         "dtype": dtype,
         "model": str(model),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
 
 
-def write_json(path: str | Path, rows: list[Row], info: dict[str, Any]) -> None:
-    """`{"machine": info, "rows": [...]}` at `path`."""
-    doc = {"machine": info, "rows": [row.to_dict() for row in rows]}
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+def _cpu_name() -> str:
+    """The CPU's model name (platform.processor() is often empty on Linux)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

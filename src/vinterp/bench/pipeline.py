@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vinterp.bench.harness import Row, best_time, free_memory, target
+from vinterp.bench.harness import Row, free_memory, target, timed
 
 SAVE_LAYERS = "pp_save_layers"
 PATCH = "pp_patch"
@@ -38,14 +38,14 @@ def run(model: str | Path, prompts: int, repeats: int, dtype: str, selected: set
                     with tr.invoke(text):
                         llm.layers[late].output[-1] = llm.layers[early].output[-1]
 
-        baseline = best_time(plain, repeats)
+        baseline = timed(plain, repeats)
         size = f" ({prompts} invokes, PP=2, vs generate)"
         workloads = {
             SAVE_LAYERS: ("trace: save every layer's last row", save_layers),
             PATCH: (f"trace: patch layers[{late}] from layers[{early}]", patch),
         }
         return [
-            Row(name + size, baseline, best_time(fn, repeats), target(key), key)
+            Row(name + size, baseline, timed(fn, repeats), target(key), key, tokens=prompts)
             for key, (name, fn) in workloads.items()
             if key in selected
         ]

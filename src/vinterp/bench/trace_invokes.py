@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vinterp.bench.harness import Row, best_time, target
+from vinterp.bench.harness import Row, target, timed
 
 KEY = "trace"
 
@@ -28,8 +28,9 @@ def run(llm: Any, invokes: int = 256, layer: int | None = None, repeats: int = 3
 
     return Row(
         f"trace {invokes} invokes, save layers[{layer}][-1] (vs generate)",
-        best_time(plain, repeats),
-        best_time(traced, repeats),
+        timed(plain, repeats),
+        timed(traced, repeats),
         target(KEY),
         KEY,
+        tokens=invokes,
     )

@@ -1,0 +1,40 @@
+"""The tools compared: which module runs each, from which environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .envs import Env
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str  # the row's label
+    module: str  # the tool's module in this package (see worker.py)
+    env: Env | None = None  # None: vinterp's own interpreter
+
+
+# Layered environments see vinterp's packages (vLLM among them): these peers must install
+# next to this vLLM, changing none of vinterp's pins. TransformerLens 3.x, on HF only, gets a
+# plain environment of its own (its resolver picks its own transformers release).
+NNSIGHT = Env("nnsight-0.8.1", ("nnsight==0.8.1",), layered=True)
+VINTERP = Peer("vinterp (vLLM engine)", "vinterp_side")
+PEERS = (
+    Peer("HF transformers + hooks", "hf_hooks"),
+    Peer("nnsight 0.8.1 LanguageModel (HF)", "nnsight_hf", NNSIGHT),
+    Peer("TransformerLens 3.9.0", "tlens", Env("tlens-3.9.0", ("transformer-lens==3.9.0",))),
+    Peer("nnsight 0.8.1 vLLM backend", "nnsight_vllm", NNSIGHT),
+    Peer(
+        "TransformerLens 4.3.0 vLLM bridge",
+        "tlens_vllm",
+        Env("tlens-4.3.0", ("transformer-lens==4.3.0",), layered=True),
+    ),
+    # No `vllm_lens` module yet: 1.3.0 needs Python >= 3.12 and vllm==0.30.0, so its
+    # environment does not build next to this vLLM and the row shows pip's error. Write the
+    # module (SamplingParams extra_args={"output_residual_stream": [...]}) once it installs.
+    Peer(
+        "vllm-lens 1.3.0",
+        "vllm_lens",
+        Env("vllm-lens-1.3.0", ("vllm-lens==1.3.0",), layered=True),
+    ),
+)

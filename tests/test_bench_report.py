@@ -1,0 +1,128 @@
+"""The bench's report writers and its timing statistics, without an engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vinterp.bench import report
+from vinterp.bench.harness import REFERENCE, Row
+from vinterp.bench.peers.row import PeerRow
+from vinterp.bench.peers.timing import Timing, measure
+
+MACHINE = {
+    "device": "Test CPU",
+    "device_kind": "cpu",
+    "cpus": 2,
+    "dtype": "float32",
+    "model": "/models/tiny",
+    "date": "2026-11-24T10:00:00",
+}
+
+
+def sample() -> report.Report:
+    plain = Timing((1.0, 1.2, 0.8))
+    rows = [
+        Row(
+            "steering layers.10.output (64x32)",
+            plain,
+            Timing((1.02, 1.0, 1.04)),
+            1.05,
+            "steer",
+            2048,
+        ),
+        Row(
+            "capture layers.*.output all",
+            plain,
+            Timing((2.0, 2.0, 2.0)),
+            1.5,
+            "capture_layers_all",
+            2048,
+        ),
+        Row(
+            "plain vLLM enforce_eager=True",
+            plain,
+            Timing((3.0, 3.0, 3.0)),
+            REFERENCE,
+            "eager",
+            2048,
+        ),
+    ]
+    peers = [
+        PeerRow("extract", "vinterp (vLLM engine)", "0.1.0", Timing((0.5, 0.5)), "reference", 0.5),
+        PeerRow("extract", "HF transformers + hooks", "5.19", Timing((5.0, 6.0)), "ok", 0.5),
+        PeerRow(
+            "extract", "fast but wrong", "1.0", Timing((0.1, 0.1)), "WRONG: layers [3] differ", 0.5
+        ),
+        PeerRow("steer", "vinterp (vLLM engine)", "0.1.0", Timing((2.0, 2.0)), "reference", 2.0),
+        PeerRow("steer", "broken | tool", "?", None, "error: RuntimeError: no GPU", 2.0),
+    ]
+    return report.Report(MACHINE, "vinterp bench --quick", rows, peers)
+
+
+def test_timing_is_the_median_and_spread_of_the_repeats_after_a_warm_up() -> None:
+    times = Timing((1.0, 3.0, 2.0))
+    assert times.median == 2.0 and times.best == 1.0 and times.spread == pytest.approx(1.0)
+    calls = []
+    timing, last = measure(lambda: calls.append(len(calls)) or len(calls), 3)
+    assert len(calls) == 4 and len(timing.times) == 3 and last == 4  # one warm-up, untimed
+
+
+def test_rows_and_peer_rows_compare_medians() -> None:
+    rep = sample()
+    steer, capture, eager = rep.rows
+    assert steer.ratio == pytest.approx(1.02 / 1.0) and steer.verdict == "ok"
+    assert capture.verdict == "OVER TARGET" and eager.verdict == "reference"
+    assert steer.tokens_per_s == pytest.approx(2048 / 1.02)
+    hf, wrong = rep.peers[1], rep.peers[2]
+    assert hf.vs_vinterp == pytest.approx(5.5 / 0.5) and not hf.wrong
+    assert wrong.wrong and rep.peers[4].vs_vinterp is None and not rep.peers[4].ran
+
+
+def test_json_markdown_and_png_are_written(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = report.write(sample(), tmp_path)
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "bench.png"]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["machine"]["device"] == "Test CPU" and doc["command"] == "vinterp bench --quick"
+    assert doc["rows"][0]["vinterp"]["median_s"] == 1.02
+    assert doc["rows"][0]["vinterp"]["spread"] == pytest.approx(0.04 / 1.02)
+    assert doc["rows"][2]["target"] is None
+    assert doc["peers"][1]["vs_vinterp"] == pytest.approx(11.0)
+    assert doc["peers"][4]["timing"] is None and doc["peers"][4]["check"].startswith("error:")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_has_every_row_and_says_why_a_peer_did_not_run() -> None:
+    text = report.markdown(sample())
+    assert "Test CPU" in text and "`vinterp bench --quick`" in text
+    assert (
+        "| steering layers.10.output (64x32) | 1.000 | 1.020 | ±2% | 2008 | 1.02x | <= 1.05x | ok |"
+        in text
+    )
+    assert "OVER TARGET" in text and "| reference |" in text
+    assert "| HF transformers + hooks | 5.19 | 5.500 | ±9% | 11.00x | ok |" in text
+    assert "WRONG: layers [3] differ" in text
+    assert "| broken | tool |" not in text and "broken \\| tool" in text  # cells stay cells
+    assert "error: RuntimeError: no GPU" in text
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table_rows) == 3 + 5 + 3  # rows, peer rows, three header lines
+
+
+def test_cli_writes_the_report_files_and_the_json(tmp_path, capsys) -> None:
+    """`--workloads none --peers none` starts no engine: the command's wiring alone."""
+    from vinterp.cli import main
+    from vinterp.models import tiny
+
+    out, json_path = tmp_path / "out", tmp_path / "rows.json"
+    model = str(tiny("llama"))
+    main(["bench", "--quick", "--model", model, "--workloads", "none", "--peers", "none",
+          "--out", str(out), "--json", str(json_path)])  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]  # nothing to draw
+    doc = json.loads(json_path.read_text())
+    assert doc == json.loads((out / "bench.json").read_text())
+    assert doc["machine"]["model"] == model and doc["rows"] == [] and doc["peers"] == []
+    assert "Measured" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--peers", "hf_hooks,no_such_tool"])
