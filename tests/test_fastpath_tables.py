@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vinterp.fastpath.capture_store import CaptureStore
 from vinterp.fastpath.specs import CaptureSpec, SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.fastpath.steer_tables import SteeredRequest, SteeringState
+from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan, build_capture_tables
 from vinterp.ir.wire import tensor_from_wire
 from vinterp.sites.names import SiteOrder
@@ -20,6 +19,13 @@ H = 4
 
 def steer(phase: str, scale: float = 2.0, **kwargs) -> SteerSpec:
     return SteerSpec({SITE: torch.ones(H)}, scale, phase, kwargs.get("positions"), False)
+
+
+def request(req_id: str, positions: range, prompt_len: int, specs: list) -> SteeredRequest:
+    """`req_id` computing `positions` this step, steered by `specs`."""
+    return SteeredRequest(
+        req_id, positions.start, len(positions), RequestSteering(tuple(specs), prompt_len)
+    )
 
 
 def buffers(max_rows: int = 8) -> SteerBuffers:
@@ -36,14 +42,14 @@ def steered(state: SteeringState, requests, layout, num_tokens, x, site=SITE) ->
 def test_steering_rows_follow_phase_positions_and_requests() -> None:
     state = SteeringState(buffers(), ORDER)
     # request a: prompt of 3 being prefilled (rows 0..2); request b: decoding position 5 (row 3)
-    a = SteeredRequest("a", np.arange(0, 3), 3, [steer("decode")])
-    b = SteeredRequest("b", np.arange(5, 6), 5, [steer("decode")])
+    a = request("a", range(0, 3), 3, [steer("decode")])
+    b = request("b", range(5, 6), 5, [steer("decode")])
     out = steered(state, [a, b], [("a", 0, 3), ("b", 3, 4)], 4, torch.zeros(4, H))
     assert out[:3].abs().sum() == 0 and torch.equal(out[3], torch.full((H,), 2.0))
-    both = SteeredRequest("a", np.arange(0, 3), 3, [steer("all"), steer("prefill", 1.0)])
+    both = request("a", range(0, 3), 3, [steer("all"), steer("prefill", 1.0)])
     out = steered(state, [both], [("a", 0, 3)], 4, torch.zeros(4, H))
     assert torch.equal(out[:3], torch.full((3, H), 3.0)) and out[3].abs().sum() == 0
-    only_1 = SteeredRequest("a", np.arange(0, 3), 3, [steer("all", positions=frozenset({1}))])
+    only_1 = request("a", range(0, 3), 3, [steer("all", positions=frozenset({1}))])
     out = steered(state, [only_1], [("a", 0, 3)], 3, torch.zeros(3, H))
     assert out[:, 0].tolist() == [0.0, 2.0, 0.0]
     # other sites, and a step with no steering, add exactly nothing
@@ -57,17 +63,14 @@ def test_norm_match_scales_with_each_rows_norm() -> None:
     state = SteeringState(buffers(), ORDER)
     spec = SteerSpec({SITE: torch.tensor([3.0, 4.0, 0.0, 0.0])}, 0.5, "all", None, True)
     x = torch.tensor([[0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 10.0]])
-    out = steered(state, [SteeredRequest("a", np.arange(2), 2, [spec])], [("a", 0, 2)], 2, x)
+    out = steered(state, [request("a", range(2), 2, [spec])], [("a", 0, 2)], 2, x)
     unit = torch.tensor([0.6, 0.8, 0.0, 0.0])
     assert torch.allclose(out, x + 0.5 * torch.tensor([[2.0], [10.0]]) * unit)
 
 
 def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> None:
     state = SteeringState(buffers(max_rows=2), ORDER)
-    requests = [
-        SteeredRequest(str(i), np.arange(i, i + 1), 0, [steer("all", float(i + 1))])
-        for i in range(3)
-    ]
+    requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
     state.write([(str(i), i, i + 1) for i in range(3)], 3)
     out = state.buffers(ORDER[SITE], torch.zeros(3, H))
@@ -90,7 +93,7 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
     x = torch.zeros(2, H)
     assert torch.equal(fn(x), x)
     for scale in (1.0, 5.0):
-        state.plan([SteeredRequest("a", np.arange(2), 0, [steer("all", scale)])])
+        state.plan([request("a", range(2), 0, [steer("all", scale)])])
         state.write([("a", 0, 2)], 2)
         assert torch.equal(fn(x), torch.full((2, H), scale))
     state.plan([])
@@ -122,3 +125,53 @@ def test_store_orders_positions_and_keeps_the_latest_recompute() -> None:
     assert taken["positions"] == [0, 1, 2]
     assert tensor_from_wire(taken["values"]).flatten().tolist() == [10.0, 11.0, 12.0]
     assert store.take(["a"]) == {"a": {}}
+
+
+def test_decode_steps_follow_the_batch_as_it_changes() -> None:
+    """Steps that repeat the last one's combination ids copy nothing; every other step
+    (requests reordered, finished, unsteered) gets exactly its own rows steered."""
+    state = SteeringState(buffers(), ORDER)
+    spec = steer("all")
+    steps = [
+        (["a", "b", "c"], {"a", "c"}),
+        (["a", "b", "c"], {"a", "c"}),  # a decode step like the last
+        (["b", "a", "c"], {"a", "c"}),  # reordered
+        (["b", "c"], {"c"}),  # a finished
+        (["b", "c"], set()),  # nothing steered
+        (["c", "b"], {"b"}),
+    ]
+    for step, (order, steered_ids) in enumerate(steps):
+        requests = [request(r, range(10 + step, 11 + step), 5, [spec]) for r in sorted(steered_ids)]
+        state.plan(requests)
+        state.write([(r, i, i + 1) for i, r in enumerate(order)], len(order))
+        if step == 1:  # not copied again: the value planted after step 0 is still there
+            assert int(state.buffers.token_combo[1]) == 7
+            state.buffers.token_combo[1] = 0
+        out = state.buffers(ORDER[SITE], torch.zeros(len(order), H))
+        assert out[:, 0].tolist() == [2.0 if r in steered_ids else 0.0 for r in order], step
+        if step == 0:
+            state.buffers.token_combo[1] = 7
+
+
+def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
+    from vinterp.ir.wire import tensor_to_wire
+
+    def wire(vector: torch.Tensor, scale: float = 2.0) -> dict:
+        return {
+            "vectors": {SITE: tensor_to_wire(vector)},
+            "scale": scale,
+            "phase": "all",
+            "positions": None,
+            "norm_match": False,
+        }
+
+    v = torch.randn(H, generator=torch.Generator().manual_seed(1))
+    nudged = v.clone()
+    nudged[2] += 1e-3
+    assert SteerSpec.from_wire(wire(v)) is SteerSpec.from_wire(wire(v.clone()))
+    assert SteerSpec.from_wire(wire(v)) is not SteerSpec.from_wire(wire(nudged))
+    assert SteerSpec.from_wire(wire(v)) is not SteerSpec.from_wire(wire(v, scale=3.0))
+    state = SteeringState(buffers(), ORDER)
+    same = [request(r, range(4, 5), 2, [SteerSpec.from_wire(wire(v))]) for r in "abc"]
+    state.plan(same)
+    assert state.plan_ is not None and len(state.plan_.key) == 2  # none, and the one spec

@@ -141,11 +141,13 @@ def captured_tensors(
     read_upto = prompt_len + max(generated - 1, 0)
     tensors, positions = {}, {}
     for site, data in rows.items():
-        keep = [i for i, p in enumerate(data["positions"]) if p < read_upto]
         values = (
             tensor_from_wire(data["values"]) if isinstance(data["values"], dict) else data["values"]
         )
-        tensors[site] = values[keep]
+        keep = [i for i, p in enumerate(data["positions"]) if p < read_upto]
+        if len(keep) < len(data["positions"]):
+            values = values[keep]
+        tensors[site] = values
         positions[site] = [data["positions"][i] for i in keep]
     return tensors, positions
 

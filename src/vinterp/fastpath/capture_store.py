@@ -52,7 +52,11 @@ class CaptureStore:
 
 def latest_by_position(chunks: list[_Chunk]) -> tuple[list[int], torch.Tensor]:
     """Rows sorted by position; a position recorded twice (a preempted request recomputed)
-    keeps its latest row."""
+    keeps its latest row. The usual case, one step's rows already in order, is a slice."""
+    if len(chunks) == 1:
+        gathered, start, positions = chunks[0]
+        if all(a < b for a, b in zip(positions, positions[1:])):
+            return list(positions), gathered[start : start + len(positions)]
     values = torch.cat([g[start : start + len(pos)] for g, start, pos in chunks])
     positions = torch.tensor([p for _, _, pos in chunks for p in pos], dtype=torch.long)
     order = torch.argsort(positions, stable=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,10 @@ from vinterp.sites.names import SiteOrder
 
 FAST_KEY = "vinterp_fast"
 _SERIALS = itertools.count(1)
+# Identical specs decode to one SteerSpec: the same steering sent with 256 requests is one
+# combination and one table row, not 256 (bounded: cleared when full).
+_BY_CONTENT: dict[tuple[Any, ...], SteerSpec] = {}
+_BY_CONTENT_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -27,13 +32,28 @@ class SteerSpec:
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> SteerSpec:
-        return cls(
+        spec = cls(
             vectors={s: tensor_from_wire(v) for s, v in obj["vectors"].items()},
             scale=float(obj["scale"]),
             phase=str(obj["phase"]),
             positions=None if obj["positions"] is None else frozenset(obj["positions"]),
             norm_match=bool(obj["norm_match"]),
         )
+        key = spec.content_key()
+        if key not in _BY_CONTENT:
+            if len(_BY_CONTENT) >= _BY_CONTENT_MAX:
+                _BY_CONTENT.clear()
+            _BY_CONTENT[key] = spec
+        return _BY_CONTENT[key]
+
+    def content_key(self) -> tuple[Any, ...]:
+        """Equal for specs that steer alike (the vectors by a digest of their bytes)."""
+        vectors = tuple(
+            (site, str(v.dtype), tuple(v.shape), hashlib.blake2b(_bytes(v)).digest())
+            for site, v in sorted(self.vectors.items())
+        )
+        positions = None if self.positions is None else tuple(sorted(self.positions))
+        return (vectors, self.scale, self.phase, positions, self.norm_match)
 
     def applies(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Which of these absolute token positions the spec steers."""
@@ -51,6 +71,10 @@ class SteerSpec:
         if self.norm_match:
             return vector / self.vectors[site].float().norm().clamp_min(1e-12)
         return vector
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ each combination adds at each site, written into the persistent buffers before t
 `plan` runs when the scheduler's batch is known (before vLLM picks the graph mode, so a step
 whose steering does not fit the buffers can be run uncompiled with larger tables); `write`
 runs once the runner has laid the batch out, and copies only what changed: the per-token
-combination ids when any token is steered (or was last step), the tables when the set of
-combinations changed.
+combination ids when they differ from the last step's, the tables when the set of
+combinations changed. Per request, the work is a dictionary lookup in decode steps.
 """
 
 from __future__ import annotations
@@ -21,18 +21,34 @@ from vinterp.sites.names import SiteOrder
 
 
 @dataclass
+class RequestSteering:
+    """One request's steering specs in order, and those that steer its generated tokens (the
+    same for all of them), worked out once: most steps are decode steps."""
+
+    specs: tuple[SteerSpec, ...]
+    prompt_len: int
+    generated: tuple[SteerSpec, ...] = field(init=False)
+    generated_key: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        at = np.array([self.prompt_len])
+        self.generated = tuple(s for s in self.specs if s.applies(at, self.prompt_len)[0])
+        self.generated_key = tuple(s.serial for s in self.generated)
+
+
+@dataclass
 class SteeredRequest:
-    """One scheduled request's steering this step: its positions and its specs in order."""
+    """One scheduled request's steering this step: its first position and token count."""
 
     req_id: str
-    positions: np.ndarray
-    prompt_len: int
-    specs: list[SteerSpec]
+    first: int
+    num_tokens: int
+    steering: RequestSteering
 
 
 @dataclass
 class SteerPlan:
-    combos: dict[str, np.ndarray]  # req id -> combination id of each of its tokens this step
+    combos: dict[str, int | np.ndarray]  # req id -> combination id of its tokens this step
     key: tuple[tuple[int, ...], ...]  # the combinations (spec serials), in id order
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
     add: torch.Tensor | None = None
@@ -40,55 +56,43 @@ class SteerPlan:
     overflow: bool = False  # the tables do not fit the persistent buffers
 
 
-_GENERATED: dict[tuple[int, ...], list[SteerSpec]] = {}
-
-
-def _generated_specs(req: SteeredRequest) -> list[SteerSpec]:
-    """The specs that steer generated tokens (the same for all of them), memoized: most
-    steps are decode steps, and this keeps their planning to a dictionary lookup."""
-    key = tuple(s.serial for s in req.specs)
-    if key not in _GENERATED:
-        if len(_GENERATED) > 4096:
-            _GENERATED.clear()
-        at = np.array([req.prompt_len])
-        _GENERATED[key] = [s for s in req.specs if s.applies(at, req.prompt_len)[0]]
-    return _GENERATED[key]
-
-
 def _combinations(
     requests: list[SteeredRequest],
-) -> tuple[dict[str, np.ndarray], dict[tuple[int, ...], list[SteerSpec]]]:
-    """Per request, a combination id per token; and each combination's specs, keyed by
-    their serials, in id order (id 0: none)."""
-    combos: dict[tuple[int, ...], list[SteerSpec]] = {(): []}
+) -> tuple[dict[str, int | np.ndarray], dict[tuple[int, ...], tuple[SteerSpec, ...]]]:
+    """Per request, a combination id (one for all its tokens, or one per token while its
+    prompt is computed); and each combination's specs, keyed by their serials, in id order
+    (id 0: none)."""
+    combos: dict[tuple[int, ...], tuple[SteerSpec, ...]] = {(): ()}
     ids: dict[tuple[int, ...], int] = {(): 0}
 
-    def combo_id(chosen: list[SteerSpec]) -> int:
-        key = tuple(s.serial for s in chosen)
-        if key not in ids:
-            ids[key] = len(combos)
+    def combo_id(key: tuple[int, ...], chosen: tuple[SteerSpec, ...]) -> int:
+        found = ids.get(key)
+        if found is None:
+            found = ids[key] = len(combos)
             combos[key] = chosen
-        return ids[key]
+        return found
 
-    per_request = {}
+    per_request: dict[str, int | np.ndarray] = {}
     for req in requests:
-        if req.positions[0] >= req.prompt_len:
-            per_request[req.req_id] = np.full(len(req.positions), combo_id(_generated_specs(req)))
+        steering = req.steering
+        if req.first >= steering.prompt_len:
+            per_request[req.req_id] = combo_id(steering.generated_key, steering.generated)
             continue
-        masks = np.stack([s.applies(req.positions, req.prompt_len) for s in req.specs])
-        codes = np.zeros(len(req.positions), dtype=np.int64)
-        for bit, mask in enumerate(masks):  # a token's code: which of the specs apply to it
-            codes |= mask.astype(np.int64) << bit
+        positions = np.arange(req.first, req.first + req.num_tokens)
+        specs = steering.specs
+        codes = np.zeros(len(positions), dtype=np.int64)
+        for bit, spec in enumerate(specs):  # a token's code: which of the specs apply to it
+            codes |= spec.applies(positions, steering.prompt_len).astype(np.int64) << bit
         token_ids = np.zeros_like(codes)
         for code in np.unique(codes):
-            chosen = [s for bit, s in enumerate(req.specs) if code >> bit & 1]
-            token_ids[codes == code] = combo_id(chosen)
+            chosen = tuple(s for bit, s in enumerate(specs) if code >> bit & 1)
+            token_ids[codes == code] = combo_id(tuple(s.serial for s in chosen), chosen)
         per_request[req.req_id] = token_ids
     return per_request, combos
 
 
 def _tables(
-    specs_by_combo: list[list[SteerSpec]], order: SiteOrder, hidden_size: int
+    specs_by_combo: list[tuple[SteerSpec, ...]], order: SiteOrder, hidden_size: int
 ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """site_rows and the summed plain (add) and norm-matched (unit) vectors, row 0 zero."""
     site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
@@ -114,7 +118,9 @@ class SteeringState:
     order: SiteOrder
     plan_: SteerPlan | None = None
     _loaded_key: tuple | None = field(default=None)
-    _steered_tokens: int = 0  # length of token_combo written last step (0: all zero)
+    # what the first rows of the token_combo buffer hold (the rest is zero): a decode step
+    # usually repeats the last step's, and then nothing is copied
+    _on_device: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
@@ -143,11 +149,11 @@ class SteeringState:
         """Fill the buffers for this step's batch: (req id, first row, end row) per request."""
         plan = self.plan_
         if plan is None:
-            if self._steered_tokens:
-                self.buffers.token_combo[: self._steered_tokens].zero_()
-                self._steered_tokens = 0
+            if len(self._on_device):
+                self.buffers.token_combo[: len(self._on_device)].zero_()
+                self._on_device = np.zeros(0, dtype=np.int64)
             return
-        token_combo = np.zeros(max(num_tokens, self._steered_tokens), dtype=np.int64)
+        token_combo = np.zeros(max(num_tokens, len(self._on_device)), dtype=np.int64)
         for req_id, start, end in layout:
             ids = plan.combos.get(req_id)
             if ids is not None:
@@ -166,8 +172,9 @@ class SteeringState:
             _upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
             _upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
             self._loaded_key = plan.key
-        _upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
-        self._steered_tokens = num_tokens
+        if not np.array_equal(token_combo, self._on_device):
+            _upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
+            self._on_device = token_combo
 
 
 def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:

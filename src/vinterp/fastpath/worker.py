@@ -23,15 +23,18 @@ class FastPath:
         self.named: dict[str, SteerSpec] = {}
         self.store = CaptureStore()
         self.capture_tables: dict[str, SiteCapture] = {}
+        self.version = 0  # changes with global or named steering: requests' specs are cached
 
     def set_global(self, wires: list[dict[str, Any]]) -> None:
         self.global_steering = [SteerSpec.from_wire(w) for w in wires]
+        self.version += 1
 
     def register(self, name: str, wire: dict[str, Any] | None) -> None:
         if wire is None:
             self.named.pop(name, None)
         else:
             self.named[name] = SteerSpec.from_wire(wire)
+        self.version += 1
 
     def steering_for(self, fast: RequestFast | None) -> list[SteerSpec]:
         """Every spec that steers a request: global, then its named ones, then its own."""

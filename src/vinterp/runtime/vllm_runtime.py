@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from vinterp.fastpath.specs import FAST_KEY, RequestFast, decode_request
 from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.fastpath.steer_tables import SteeredRequest, SteeringState
+from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan
 from vinterp.fastpath.worker import FastPath
 from vinterp.ir.plan import PlanError, make_plan
@@ -45,6 +44,8 @@ class Scheduled:
     num_computed: int  # tokens computed before this step
     fast: RequestFast | None
     trace: tuple[str, int] | None  # (trace id, invoke)
+    steering: RequestSteering | None = None  # as of `steering_version` of the fast path
+    steering_version: int = -1
 
     def step(self, num_tokens: int) -> int:
         """The generation step this forward runs (0: the prompt; k: samples token k+1)."""
@@ -171,15 +172,23 @@ class WorkerRuntime:
             if req is None:
                 continue
             python = python or self._needs_python(req, num_tokens)
-            specs = self.fast.steering_for(req.fast)
-            if specs:
-                positions = np.arange(req.num_computed, req.num_computed + num_tokens)
-                steered.append(SteeredRequest(req_id, positions, req.prompt_len, specs))
+            steering = self._steering(req)
+            if steering is not None:
+                steered.append(SteeredRequest(req_id, req.num_computed, num_tokens, steering))
         python = self.steering.plan(steered) or python
         PYTHON.active = python
         self.stats["steps"] += 1
         self.stats["uncompiled_steps"] += python
         return python
+
+    def _steering(self, req: Scheduled) -> RequestSteering | None:
+        """The request's steering, worked out again only when global or named steering
+        changed since."""
+        if req.steering_version != self.fast.version:
+            specs = self.fast.steering_for(req.fast)
+            req.steering = RequestSteering(tuple(specs), req.prompt_len) if specs else None
+            req.steering_version = self.fast.version
+        return req.steering
 
     def _describe(self, new: Any) -> Scheduled:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
