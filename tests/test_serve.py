@@ -30,14 +30,48 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+def traces(model) -> dict:
+    """The same traces on `vinterp.LLM` and `vinterp.Client` (API.md section 6): the logit
+    lens, patching across two invokes, and `tr.iter` over 4 steps with a write."""
+    with model.trace(PROMPT, max_tokens=1, use_tqdm=False):
+        lens = [model.unembed(model.layers[i].output[-1]).save() for i in (5, 15, 29)]
+        logits = model.logits.save()
+    with model.trace(max_tokens=1, use_tqdm=False) as tr:
+        with tr.invoke("The capital of France is"):
+            clean = model.layers[12].output[-1].save()
+        with tr.invoke("The capital of Italy is"):
+            model.layers[12].output[-1] = clean
+            patched = model.logits.save()
+    with model.trace(PROMPT, max_tokens=4, use_tqdm=False) as tr:
+        for _ in tr.iter[:]:
+            model.layers[10].output = model.layers[10].output + STEERING.vectors["layers.10.output"]
+            samples = model.samples.save()
+            norms = model.layers[20].output.norm(dim=-1).save()
+    return {
+        "lens": lens,
+        "logits": logits,
+        "clean": clean,
+        "patched": patched,
+        "samples": samples,
+        "norms": norms,
+        "text": tr.outputs[0].text,
+    }
+
+
 @pytest.fixture(scope="module")
 def reference(engines) -> dict:
     """vinterp.LLM's results for the same requests, before the server takes the machine."""
     llm = engines.vllm(None)
     plain = llm.generate(PROMPT, use_tqdm=False, **SAMPLING)[0]
     steered = llm.generate(PROMPT, steering=STEERING, capture=CAPTURE, use_tqdm=False, **SAMPLING)
+    traced = traces(llm)
     engines.release()  # one engine at a time on this machine
-    return {"plain": plain.text, "steered": steered[0].text, "captures": steered[0].captures}
+    return {
+        "plain": plain.text,
+        "steered": steered[0].text,
+        "captures": steered[0].captures,
+        "traces": traced,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +157,163 @@ def test_bad_vinterp_fields_get_a_400_and_the_server_serves_on(server, field, me
     assert message in r.json()["error"]["message"]
     body.pop("vinterp")
     assert httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=60).is_success
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[vinterp.Client]:
+    with vinterp.Client(server, api_key=KEY) as c:
+        yield c
+
+
+def test_client_traces_equal_llm_traces(client, reference) -> None:
+    assert len(client.layers) == 30 and client.config.hidden_size == 576
+    got, want = traces(client), reference["traces"]
+    assert got["text"] == want["text"]
+    assert got["samples"] == want["samples"] and len(got["samples"]) == 4
+    for name in ("lens", "logits", "clean", "patched", "norms"):
+        pairs = (
+            zip(got[name], want[name])
+            if isinstance(want[name], list)
+            else [(got[name], want[name])]
+        )
+        for g, w in pairs:
+            assert g.shape == w.shape, name
+            assert rel_err(g.float(), w.float()) < 1e-5, name
+    assert not torch.equal(got["patched"], got["logits"])  # the patch changed something
+
+
+def test_client_generate_and_steering_equal_llm(client, server, reference) -> None:
+    (plain,) = client.generate(PROMPT, use_tqdm=False, **SAMPLING)
+    assert plain.text == reference["plain"] and len(plain.token_ids) == 8
+    (steered,) = client.generate(
+        PROMPT, steering=STEERING, capture=CAPTURE, use_tqdm=False, **SAMPLING
+    )
+    assert steered.text == reference["steered"]
+    for site, value in reference["captures"].items():
+        assert rel_err(steered.captures[site], value) < 1e-5, site
+    client.steering.set(STEERING)  # global: every later request, from any client
+    assert complete(server).choices[0].text == reference["steered"]
+    client.steering.clear()
+    assert client.generate(PROMPT, use_tqdm=False, **SAMPLING)[0].text == reference["plain"]
+    client.steering.register("tenfold", STEERING)  # named: usable by name from the openai client
+    r = complete(server, extra_body={"vinterp": {"steering": "tenfold"}})
+    assert r.choices[0].text == reference["steered"]
+    assert (
+        client.generate(PROMPT, steering="tenfold", use_tqdm=False, **SAMPLING)[0].text
+        == (reference["steered"])
+    )
+    client.steering.unregister("tenfold")
+    with pytest.raises(ValueError, match="no steering named 'tenfold'"):
+        client.generate(PROMPT, steering="tenfold", use_tqdm=False)
+
+
+def test_vinterp_routes_need_the_key(server) -> None:
+    routes = [
+        ("GET", "/v1/vinterp/sites"),
+        ("GET", "/v1/vinterp/steering"),
+        ("PUT", "/v1/vinterp/steering"),
+        ("DELETE", "/v1/vinterp/steering"),
+        ("POST", "/v1/vinterp/trace"),
+    ]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, server + path, json={}, headers=headers)
+            assert r.status_code == 401, (method, path)
+
+
+def _graph(client) -> dict:
+    """The wire form (JSON) of a small valid trace, to mutate."""
+    from vinterp.ir.wire import to_wire
+    from vinterp.wire.json_form import payload_to_json
+
+    captured = {}
+
+    def record(graph, plan, use_tqdm=True):
+        captured["graph"] = payload_to_json(to_wire(graph))
+        raise RuntimeError("recorded")
+
+    client._engine.run_trace = record  # this instance only: the graph, not a run
+    try:
+        with pytest.raises(RuntimeError, match="recorded"):
+            with client.trace(PROMPT, max_tokens=1, use_tqdm=False):
+                client.layers[3].output.norm().save()
+    finally:
+        del client._engine.run_trace
+    return captured["graph"]
+
+
+def _mutations(graph: dict) -> list[tuple[str, object]]:
+    import copy
+
+    def edited(fn) -> dict:
+        g = copy.deepcopy(graph)
+        fn(g)
+        return {"graph": g}
+
+    def set_node(index: int, slot: int, value) -> object:
+        return lambda g: g["nodes"][index].__setitem__(slot, value)
+
+    read = next(i for i, n in enumerate(graph["nodes"]) if n[0] == "read")
+    call = next(i for i, n in enumerate(graph["nodes"]) if n[0] not in ("read", "save", "const"))
+    big = {"dtype": "float32", "shape": [1 << 29], "data": {"__b64__": ""}}
+    return [
+        ("unknown op", edited(set_node(call, 1, "os.system"))),
+        ("out-of-range layer", edited(set_node(read, 1, "layers.99.output"))),
+        (
+            "bad dtype",
+            edited(
+                lambda g: g["tensors"].append(
+                    {"dtype": "complex", "shape": [1], "data": {"__b64__": ""}}
+                )
+            ),
+        ),
+        ("2 GB constant", edited(lambda g: g["tensors"].append(big))),
+        ("10^6 nodes", edited(lambda g: g["nodes"].extend([g["nodes"][0]] * 1_000_000))),
+        ("reference forward", edited(set_node(call, 2, [{"ref": 10**6}]))),
+        (
+            "bad base64",
+            edited(
+                lambda g: g["tensors"].append(
+                    {"dtype": "float32", "shape": [1], "data": {"__b64__": "%%%"}}
+                )
+            ),
+        ),
+        ("wrong version", edited(lambda g: g.__setitem__("version", 99))),
+        ("no invokes", edited(lambda g: g.__setitem__("invokes", []))),
+        ("bad prompt", edited(lambda g: g["invokes"][0].__setitem__("prompt", ["a"]))),
+        (
+            "too many tokens",
+            edited(lambda g: g["invokes"][0]["sampling"].__setitem__("max_tokens", 10**6)),
+        ),
+        ("nodes not a list", edited(lambda g: g.__setitem__("nodes", "x"))),
+        ("not a graph", {"graph": 5}),
+        ("no graph", {"nodes": []}),
+        ("extra keys", {"graph": graph, "code": "print(1)"}),
+        ("a list", [1, 2]),
+    ]
+
+
+def test_malformed_traces_get_a_400_and_the_server_serves_on(client, server, reference) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server + "/v1/vinterp/trace"
+    graph = _graph(client)
+    cases = _mutations(graph)
+    raw = [("not JSON", b"{graph: nope"), ("truncated body", b'{"graph": {"version": 1, "nod')]
+    for name, body in cases + raw:
+        if isinstance(body, bytes):
+            r = httpx.post(url, content=body, headers=headers, timeout=120)
+        else:
+            r = httpx.post(url, json=body, headers=headers, timeout=120)
+        assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
+        assert r.json()["error"]["message"], name
+    assert len(cases) + len(raw) >= 18
+    r = httpx.post(url, json={"graph": graph}, headers=headers, timeout=120)
+    assert r.status_code == 200 and r.json()["failure"] is None
+    assert traces(client)["samples"] == reference["traces"]["samples"]  # serves on
+
+
+def test_out_of_order_trace_is_refused_with_its_cause(client) -> None:
+    with pytest.raises(vinterp.OutOfOrderError):
+        with client.trace(PROMPT, max_tokens=1, use_tqdm=False):
+            late = client.layers[20].output
+            client.layers[3].output = late

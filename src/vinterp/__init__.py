@@ -2,6 +2,7 @@
 
 from vinterp import models
 from vinterp.api import LLM
+from vinterp.api.client import Client
 from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
 from vinterp.api.specs import Capture, Request, Steering
 from vinterp.engine.outputs import Output
@@ -9,6 +10,7 @@ from vinterp.wire.json_form import captures_from_json
 
 __all__ = [
     "Capture",
+    "Client",
     "LLM",
     "Request",
     "Steering",

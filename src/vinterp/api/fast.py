@@ -102,10 +102,11 @@ def prepare(
         req = Prepared(ids, sampling_kwargs({**sampling, **request.sampling}))
         for spec in _steering_list(steering) + _steering_list(request.steering):
             if isinstance(spec, str):
-                if spec not in llm.steering.named:
+                names = llm.steering.names()
+                if spec not in names:
                     raise ValueError(
                         f"steering: no steering named {spec!r} is registered "
-                        f"(registered: {sorted(llm.steering.named)})"
+                        f"(registered: {sorted(names)})"
                     )
                 req.steering_names.append(spec)
             elif isinstance(spec, Steering):

@@ -5,20 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
 from vinterp.api.fast import deliver, prepare
 from vinterp.api.fast_trace import generate_with_trace
+from vinterp.api.front_end import Prompt, TraceFrontEnd
 from vinterp.api.specs import Capture, Request, Steering
 from vinterp.api.steering_control import SteeringControl
-from vinterp.api.trace import Trace
 from vinterp.engine.outputs import Output
 from vinterp.sites.modules import check_site_paths
 
-Prompt = str | list[int]
 BACKENDS = ("vllm", "hf")
 
 
-class LLM:
+class LLM(TraceFrontEnd):
     """A model to generate with (and, in later releases, to trace, steer and capture).
 
     `model` is a local HF checkpoint directory (or a hub id where a hub is reachable); None is
@@ -66,50 +64,8 @@ class LLM:
                 model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
             )
 
-        self._trace: Trace | None = None
-        self.layers = Layers(self)
-        self.embed = SitePoint(self, "embed")
-        self.final_norm = ModulePoint(self, "final_norm", "final_norm")
-        self.lm_head = ModulePoint(self, "lm_head", "lm_head")
-        self.raw = RawPoint(self)
+        self._init_front_end()
         self.steering = SteeringControl(self)
-
-    # -- tracing ----------------------------------------------------------------------------
-    def trace(self, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any) -> Trace:
-        """Record reads, writes and saves in the `with` body; run them at its exit (with a
-        progress bar over the invokes unless `use_tqdm=False`)."""
-        return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)
-
-    def _begin_trace(self, trace: Trace) -> None:
-        if self._trace is not None:
-            raise RuntimeError("traces on one LLM cannot be nested")
-        self._trace = trace
-
-    def _end_trace(self, trace: Trace) -> None:
-        self._trace = None
-
-    def _active_trace(self) -> Trace:
-        if self._trace is None:
-            raise RuntimeError("site values exist only inside `with llm.trace(...):`")
-        return self._trace
-
-    def unembed(self, value: Any) -> Any:
-        """`lm_head(final_norm(value))` inside a trace: the logit lens."""
-        return self.lm_head(self.final_norm(value))
-
-    @property
-    def logits(self) -> Any:
-        """Logits used to sample this step's token, (1, V)."""
-        return self._active_trace()._read("logits")
-
-    @logits.setter
-    def logits(self, value: Any) -> None:
-        self._active_trace()._write("logits", value)
-
-    @property
-    def samples(self) -> Any:
-        """The token id sampled this step, (1,)."""
-        return self._active_trace()._read("samples")
 
     @property
     def engine(self) -> Any:
@@ -146,22 +102,8 @@ class LLM:
                     deliver(req, outputs[k], rows.get(req.capture_id, {}), k, str(self.model_path))
         return outputs
 
-    def _tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = []
-        for prompt in prompts:  # type: ignore[union-attr]
-            if isinstance(prompt, str):
-                token_lists.append(self.tokenizer(prompt).input_ids)
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                token_lists.append(list(prompt))
-            else:
-                raise TypeError(
-                    f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-                )
-        return token_lists
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
 
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA

@@ -38,6 +38,10 @@ class SteeringControl:
         self._llm._engine.register_steering(name, steering)
         self.named[name] = steering
 
+    def names(self) -> set[str]:
+        """The names usable as `steering=name`."""
+        return set(self.named)
+
     def unregister(self, name: str) -> None:
         self._llm._engine.register_steering(name, None)
         self.named.pop(name, None)

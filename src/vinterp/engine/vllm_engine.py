@@ -125,7 +125,7 @@ class VLLMEngine:
             params,
             use_tqdm=use_tqdm,
         )
-        return [_to_output(r) for r in results]
+        return [to_output(r) for r in results]
 
     def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
         """Captured rows per capture id and site, merged over workers (PP stages differ)."""
@@ -145,8 +145,6 @@ class VLLMEngine:
 
     def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Send the graph once, run the invokes round by round, collect saves and failure."""
-        import vllm
-
         trace_id = uuid.uuid4().hex
         errors = self.llm.collective_rpc("vinterp_begin", args=(trace_id, to_wire(graph)))
         if any(errors):
@@ -155,27 +153,14 @@ class VLLMEngine:
         outputs: list[Output | None] = [None] * len(graph.invokes)
         try:
             for round_ in plan.rounds:
-                params = [
-                    vllm.SamplingParams(
-                        **graph.invokes[k].sampling,
-                        extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": k}},
-                    )
-                    for k in round_
-                ]
+                params = [invoke_params(graph, k, trace_id) for k in round_]
                 prompts = [self._prompt(graph.invokes[k].prompt, True) for k in round_]
                 results = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
                 for k, result in zip(round_, results):
-                    outputs[k] = _to_output(result)
+                    outputs[k] = to_output(result)
         finally:
             per_worker = self.llm.collective_rpc("vinterp_collect", args=(trace_id,))
-        # Every worker reports what it ran: TP ranks the same values, PP stages their own.
-        saved: dict[int, Any] = {}
-        failure = None
-        for collected in per_worker:
-            for node, value in collected["saved"].items():
-                saved.setdefault(int(node), decode_saved(value))
-            failure = failure or collected["failure"]
-        return TraceResult(outputs, saved, Failure(**failure) if failure else None)
+        return collected_result(outputs, per_worker)
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers; safe to call more than once."""
@@ -189,6 +174,28 @@ class VLLMEngine:
             log.debug("vLLM engine shutdown raised", exc_info=True)
 
 
+def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
+    """vLLM's sampling parameters for one invoke of a trace (the workers find it by them)."""
+    import vllm
+
+    return vllm.SamplingParams(
+        **graph.invokes[invoke].sampling,
+        extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": invoke}},
+    )
+
+
+def collected_result(outputs: list[Any], per_worker: list[dict[str, Any]]) -> TraceResult:
+    """One result from every worker's report: TP ranks report the same values, PP stages
+    their own; the first failure wins."""
+    saved: dict[int, Any] = {}
+    failure = None
+    for collected in per_worker:
+        for node, value in collected["saved"].items():
+            saved.setdefault(int(node), decode_saved(value))
+        failure = failure or collected["failure"]
+    return TraceResult(outputs, saved, Failure(**failure) if failure else None)
+
+
 def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """One {capture id: {site: rows}} from every worker's share (PP stages hold different
     sites; other TP ranks send nothing)."""
@@ -199,7 +206,7 @@ def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dic
     return merged
 
 
-def _to_output(result: Any) -> Output:
+def to_output(result: Any) -> Output:
     return Output(
         prompt_token_ids=list(result.prompt_token_ids or []),
         token_ids=list(result.outputs[0].token_ids),

@@ -31,15 +31,22 @@ class FieldError(ValueError):
     pass
 
 
-def parse_field(value: Any, config: Any) -> Prepared:
-    """The request's steering and capture, checked against the model (HF `config`)."""
+def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
+    """The request's steering and capture, checked against the model (HF `config`) and the
+    server's `named` steerings."""
     if not isinstance(value, dict) or not set(value) <= {"steering", "capture"}:
         raise FieldError("vinterp: expected {steering: ..., capture: ...}")
     prepared = Prepared(prompt=[], sampling={})
     steering = value.get("steering")
     for item in steering if isinstance(steering, list) else [steering] if steering else []:
         if isinstance(item, str):
-            raise FieldError("vinterp.steering: named steerings are not served yet; send one")
+            if item not in named:
+                raise FieldError(
+                    f"vinterp.steering: no steering named {item!r:.80} is registered "
+                    f"(registered: {sorted(named)}); PUT /v1/vinterp/steering registers one"
+                )
+            prepared.steering_names.append(item)
+            continue
         spec = Steering.from_json(item)
         check_steering(spec, config, "vinterp.steering")
         prepared.steering.append(spec)
@@ -73,7 +80,9 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         return await call_next(request)
     engine = request.app.state.engine_client
     try:
-        prepared = parse_field(body.pop(FIELD), engine.model_config.hf_config)
+        served = getattr(request.app.state, "vinterp_steering", None)
+        named = served.named if served is not None else {}
+        prepared = parse_field(body.pop(FIELD), engine.model_config.hf_config, named)
         if prepared.capture is not None and (body.get("stream") or _many_prompts(body)):
             raise FieldError("vinterp.capture: one prompt per request, without streaming")
     except (FieldError, WireError, ValueError) as exc:

@@ -5,6 +5,7 @@ vLLM's own and passes through unchanged."""
 from __future__ import annotations
 
 import json
+import os
 
 from vinterp.engine.vllm_engine import vinterp_engine_settings
 
@@ -38,6 +39,24 @@ def vllm_serve_argv(
     return argv + rest
 
 
+def allow_routes_plugin() -> None:
+    """vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them, and that list then
+    also limits the general plugins: name vinterp's routes and keep every general plugin
+    that would have loaded (an allowlist the user set is extended, not replaced), vinterp's
+    own (`vinterp`, which installs the sites) always."""
+    from importlib.metadata import entry_points
+
+    from vinterp.serve.routes import PLUGIN_NAME
+
+    current = os.environ.get("VLLM_PLUGINS")
+    names = (
+        [n for n in current.split(",") if n]
+        if current is not None
+        else [ep.name for ep in entry_points(group="vllm.general_plugins")]
+    )
+    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*names, "vinterp", PLUGIN_NAME]))
+
+
 def serve(model: str | None, host: str, port: int, api_key: str | None, rest: list[str]) -> None:
     """Run the server in this process until it is stopped (the bundled model by default).
     Goes through vLLM's `serve` subcommand itself, not its `vllm` entry point (which needs a
@@ -56,6 +75,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, rest: li
         model = str(bundled())
     if current_platform.is_cpu():
         configure_cpu_environment(1)
+    allow_routes_plugin()
     if not any(arg.split("=")[0] == "--dtype" for arg in rest):  # as vinterp.LLM: the checkpoint's
         from transformers import AutoConfig
 

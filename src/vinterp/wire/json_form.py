@@ -18,21 +18,24 @@ JSON_DTYPES = ("float32", "float16", "bfloat16")
 MAX_TENSOR_BYTES = 64 << 20  # one steering vector or captured site is far smaller
 
 
-def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:
+def tensor_to_json(t: torch.Tensor, dtypes: tuple[str, ...] = JSON_DTYPES) -> dict[str, Any]:
+    """A tensor in one of `dtypes` (others become float32)."""
     t = t.detach().to("cpu").contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in JSON_DTYPES:
+    if dtype not in dtypes:
         t, dtype = t.float(), "float32"
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(t.shape)}
 
 
-def tensor_from_json(obj: Any, what: str = "tensor") -> torch.Tensor:
+def tensor_from_json(
+    obj: Any, what: str = "tensor", dtypes: tuple[str, ...] = JSON_DTYPES
+) -> torch.Tensor:
     if not isinstance(obj, dict) or set(obj) != {"data", "dtype", "shape"}:
         raise WireError(f"{what}: a tensor is {{data (base64), dtype, shape}}")
     dtype, shape = obj["dtype"], obj["shape"]
-    if dtype not in JSON_DTYPES:
-        raise WireError(f"{what}: dtype {dtype!r:.40} not allowed; use one of {JSON_DTYPES}")
+    if not isinstance(dtype, str) or dtype not in dtypes:
+        raise WireError(f"{what}: dtype {dtype!r:.40} not allowed; use one of {dtypes}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
@@ -66,32 +69,62 @@ def captures_from_json(obj: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def saved_to_json(value: Any) -> Any:
+    """A trace's saved value (tensor, list of them, or plain number) as JSON, any wire dtype."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": tensor_to_json(value, tuple(DTYPES))}
+    if isinstance(value, list):
+        return [saved_to_json(v) for v in value]
+    return value
+
+
+def saved_from_json(obj: Any, what: str = "saved") -> Any:
+    if isinstance(obj, dict):
+        if set(obj) != {"tensor"}:
+            raise WireError(f"{what}: expected {{tensor: ...}}")
+        return tensor_from_json(obj["tensor"], what, tuple(DTYPES))
+    if isinstance(obj, list):
+        return [saved_from_json(v, what) for v in obj]
+    return obj
+
+
+def payload_to_json(payload: Any) -> Any:
+    """A wire payload (nested lists/dicts with raw tensor bytes) as JSON-ready data: bytes
+    become {"__b64__": base64 text}."""
+    if isinstance(payload, (bytes, bytearray)):
+        return {"__b64__": base64.b64encode(payload).decode("ascii")}
+    if isinstance(payload, dict):
+        return {k: payload_to_json(v) for k, v in payload.items()}
+    if isinstance(payload, list):
+        return [payload_to_json(v) for v in payload]
+    return payload
+
+
+def payload_from_json(obj: Any, depth: int = 0) -> Any:
+    """Inverse of `payload_to_json`, for data from anyone: raises only WireError (the
+    structure itself is checked by the wire decoder that reads the result)."""
+    if depth > 64:
+        raise WireError("payload nested too deeply")
+    if isinstance(obj, dict):
+        if set(obj) == {"__b64__"}:
+            if not isinstance(obj["__b64__"], str):
+                raise WireError("bytes must be a base64 string")
+            try:
+                return base64.b64decode(obj["__b64__"], validate=True)
+            except (binascii.Error, ValueError):
+                raise WireError("bytes are not valid base64") from None
+        return {k: payload_from_json(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [payload_from_json(v, depth + 1) for v in obj]
+    return obj
+
+
 def payload_to_text(payload: Any) -> str:
-    """A worker payload (nested lists/dicts with raw tensor bytes) as JSON text: the only
-    form vLLM's OpenAI server passes on to `SamplingParams.extra_args` (`vllm_xargs`)."""
-
-    def encode(value: Any) -> Any:
-        if isinstance(value, (bytes, bytearray)):
-            return {"__b64__": base64.b64encode(value).decode("ascii")}
-        if isinstance(value, dict):
-            return {k: encode(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [encode(v) for v in value]
-        return value
-
-    return json.dumps(encode(payload))
+    """A worker payload as JSON text: the only form vLLM's OpenAI server passes on to
+    `SamplingParams.extra_args` (`vllm_xargs`)."""
+    return json.dumps(payload_to_json(payload))
 
 
 def payload_from_text(text: str) -> Any:
     """Inverse of `payload_to_text` (the text comes from vinterp's own server code)."""
-
-    def decode(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {"__b64__"}:
-                return base64.b64decode(value["__b64__"])
-            return {k: decode(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [decode(v) for v in value]
-        return value
-
-    return decode(json.loads(text))
+    return payload_from_json(json.loads(text))

@@ -1,0 +1,84 @@
+"""What `vinterp.LLM` and `vinterp.Client` share: the module tree a trace is written against
+and the trace context. A subclass gives the model description (`config`, `backend`,
+`pipeline_parallel_size`), `_tokenize` and a backend (`_engine.run_trace`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
+from vinterp.api.trace import Trace
+
+Prompt = str | list[int]
+
+
+class TraceFrontEnd:
+    config: Any
+    backend: str
+    pipeline_parallel_size: int
+    _engine: Any
+
+    def _init_front_end(self) -> None:
+        self._trace: Trace | None = None
+        self.layers = Layers(self)
+        self.embed = SitePoint(self, "embed")
+        self.final_norm = ModulePoint(self, "final_norm", "final_norm")
+        self.lm_head = ModulePoint(self, "lm_head", "lm_head")
+        self.raw = RawPoint(self)
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt (the model's tokenizer)."""
+        raise NotImplementedError
+
+    def _tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = []
+        for prompt in prompts:  # type: ignore[union-attr]
+            if isinstance(prompt, str):
+                token_lists.append(self._encode(prompt))
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                token_lists.append(list(prompt))
+            else:
+                raise TypeError(
+                    f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                )
+        return token_lists
+
+    def trace(self, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any) -> Trace:
+        """Record reads, writes and saves in the `with` body; run them at its exit (with a
+        progress bar over the invokes unless `use_tqdm=False`)."""
+        return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)  # type: ignore[arg-type]
+
+    def _begin_trace(self, trace: Trace) -> None:
+        if self._trace is not None:
+            raise RuntimeError("traces on one model cannot be nested")
+        self._trace = trace
+
+    def _end_trace(self, trace: Trace) -> None:
+        self._trace = None
+
+    def _active_trace(self) -> Trace:
+        if self._trace is None:
+            raise RuntimeError("site values exist only inside `with llm.trace(...):`")
+        return self._trace
+
+    def unembed(self, value: Any) -> Any:
+        """`lm_head(final_norm(value))` inside a trace: the logit lens."""
+        return self.lm_head(self.final_norm(value))
+
+    @property
+    def logits(self) -> Any:
+        """Logits used to sample this step's token, (1, V)."""
+        return self._active_trace()._read("logits")
+
+    @logits.setter
+    def logits(self, value: Any) -> None:
+        self._active_trace()._write("logits", value)
+
+    @property
+    def samples(self) -> Any:
+        """The token id sampled this step, (1,)."""
+        return self._active_trace()._read("samples")

@@ -1,0 +1,256 @@
+"""vinterp's routes on vLLM's server (API.md section 6): `GET /v1/vinterp/sites`,
+`POST /v1/vinterp/trace`, `GET|PUT|DELETE /v1/vinterp/steering`.
+
+Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
+`vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
+trace arrives as the graph's wire form in JSON: data, validated against the whitelist and
+the limits below before anything reaches the engine; nothing from the client is executed or
+unpickled. Every malformed request gets a 400 that names the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from argparse import Namespace
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import JSONResponse
+
+from vinterp.api.fast import check_steering
+from vinterp.api.specs import Steering
+from vinterp.ir.graph import Graph
+from vinterp.ir.plan import PlanError, make_plan
+from vinterp.ir.wire import WireError, from_wire
+from vinterp.runtime.pipeline import last_stage_start
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.json_form import payload_from_json, saved_to_json
+
+PLUGIN_NAME = "vinterp_routes"
+# What one trace may ask of a shared server (the wire decoder's own cap is far higher).
+LIMITS = {"body_bytes": 256 << 20, "nodes": 100_000, "invokes": 1024, "max_tokens": 4096}
+
+
+@dataclass
+class ServedSteering:
+    """The server's global and named steering, as clients set them (JSON forms kept to
+    describe them back)."""
+
+    global_: list[Steering] = field(default_factory=list)
+    named: dict[str, Steering] = field(default_factory=dict)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _bad_request(message: str, **extra: Any) -> JSONResponse:
+    error = {"message": message, "type": "BadRequestError", "code": 400, **extra}
+    return JSONResponse({"error": error}, status_code=400)
+
+
+def _engine(request: Request) -> Any:
+    return request.app.state.engine_client
+
+
+def _config(request: Request) -> Any:
+    return _engine(request).model_config.hf_config
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    if len(body) > LIMITS["body_bytes"]:
+        raise BadRequest(f"body of {len(body)} bytes; the limit is {LIMITS['body_bytes']}")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise BadRequest("the body is not JSON") from None
+
+
+router = APIRouter()
+
+
+@router.get("/v1/vinterp/sites")
+async def sites(request: Request) -> JSONResponse:
+    """The served model's sites and configuration: what `vinterp.Client` builds its module
+    tree from (no weights)."""
+    engine = _engine(request)
+    config = _config(request)
+    parallel = engine.vllm_config.parallel_config
+    return JSONResponse(
+        {
+            "model": engine.model_config.served_model_name,
+            "num_layers": int(config.num_hidden_layers),
+            "hidden_size": int(config.hidden_size),
+            "vocab_size": int(config.vocab_size),
+            "sites": SiteOrder(int(config.num_hidden_layers)).sites,
+            "pipeline_parallel_size": parallel.pipeline_parallel_size,
+            "config": json.loads(config.to_json_string()),
+        }
+    )
+
+
+def decode_trace(body: Any, config: Any, stages: int) -> tuple[dict[str, Any], Graph, Any]:
+    """The request's graph (wire form, decoded graph, plan), within the server's limits."""
+    if not isinstance(body, dict) or set(body) != {"graph"}:
+        raise BadRequest("expected {graph: the trace's wire form}")
+    nodes = body["graph"].get("nodes") if isinstance(body["graph"], dict) else None
+    if isinstance(nodes, list) and len(nodes) > LIMITS["nodes"]:
+        raise BadRequest(f"{len(nodes)} nodes; the limit is {LIMITS['nodes']}")
+    wire = payload_from_json(body["graph"])
+    order = SiteOrder(int(config.num_hidden_layers))
+    graph = from_wire(wire, order)
+    if len(graph.invokes) > LIMITS["invokes"]:
+        raise BadRequest(f"{len(graph.invokes)} invokes; the limit is {LIMITS['invokes']}")
+    for k, invoke in enumerate(graph.invokes):
+        max_tokens = invoke.sampling.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or not 0 < max_tokens <= LIMITS["max_tokens"]:
+            raise BadRequest(
+                f"invoke {k}: max_tokens {max_tokens!r:.20} must be 1..{LIMITS['max_tokens']}"
+            )
+    plan = make_plan(graph, order, last_stage_start(order.num_layers, stages))
+    return wire, graph, plan
+
+
+@router.post("/v1/vinterp/trace")
+async def trace(request: Request) -> JSONResponse:
+    """Run one serialized trace; its outputs, saves and failure (one that names the line)."""
+    engine = _engine(request)
+    stages = engine.vllm_config.parallel_config.pipeline_parallel_size
+    try:
+        wire, graph, plan = decode_trace(await _json_body(request), _config(request), stages)
+    except PlanError as exc:
+        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+    except (BadRequest, WireError, UnknownSiteError) as exc:
+        return _bad_request(str(exc))
+    try:
+        outputs, per_worker = await _run(engine, wire, graph, plan)
+    except PlanError as exc:
+        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+    from vinterp.engine.vllm_engine import collected_result
+
+    result = collected_result(outputs, per_worker)
+    return JSONResponse(
+        {
+            "outputs": outputs,
+            "saved": {str(node): saved_to_json(v) for node, v in result.saved.items()},
+            "failure": None if result.failure is None else result.failure.__dict__,
+        }
+    )
+
+
+async def _run(
+    engine: Any, wire: dict[str, Any], graph: Graph, plan: Any
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """As `VLLMEngine.run_trace`, on the server's async engine: every invoke of a round in
+    flight at once, rounds in order, the saves collected even when a round fails."""
+    from vinterp.engine.vllm_engine import invoke_params
+
+    trace_id = uuid.uuid4().hex
+    errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
+    if any(errors):
+        await engine.collective_rpc("vinterp_forget", args=(trace_id,))
+        raise PlanError(next(e for e in errors if e))
+    salted = engine.vllm_config.cache_config.enable_prefix_caching
+
+    async def complete(k: int) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": graph.invokes[k].prompt}
+        if salted:  # computed in full, not read from the prefix cache (DESIGN.md lesson 1)
+            prompt["cache_salt"] = uuid.uuid4().hex
+        final = None
+        params = invoke_params(graph, k, trace_id)
+        async for out in engine.generate(prompt, params, f"vinterp-{trace_id}-{k}"):
+            final = out
+        assert final is not None
+        completion = final.outputs[0]
+        return {
+            "prompt_token_ids": list(final.prompt_token_ids or []),
+            "token_ids": list(completion.token_ids),
+            "text": completion.text,
+        }
+
+    outputs: list[dict[str, Any]] = [{} for _ in graph.invokes]
+    try:
+        for round_ in plan.rounds:
+            for k, out in zip(round_, await asyncio.gather(*(complete(k) for k in round_))):
+                outputs[k] = out
+    finally:
+        per_worker = await engine.collective_rpc("vinterp_collect", args=(trace_id,))
+    return outputs, per_worker
+
+
+def _steering_state(request: Request) -> ServedSteering:
+    return request.app.state.vinterp_steering
+
+
+@router.get("/v1/vinterp/steering")
+async def get_steering(request: Request) -> JSONResponse:
+    state = _steering_state(request)
+    return JSONResponse(
+        {
+            "global": [s.to_json() for s in state.global_],
+            "named": {name: s.to_json() for name, s in state.named.items()},
+        }
+    )
+
+
+@router.put("/v1/vinterp/steering")
+async def put_steering(request: Request) -> JSONResponse:
+    """`{"global": [steering, ...]}` replaces the global steering; `{"name": N, "steering":
+    steering}` registers a named one."""
+    state, config, engine = _steering_state(request), _config(request), _engine(request)
+    try:
+        body = await _json_body(request)
+        if isinstance(body, dict) and set(body) == {"global"} and isinstance(body["global"], list):
+            specs = [Steering.from_json(item) for item in body["global"]]
+            for spec in specs:
+                check_steering(spec, config, "global")
+            wires = [s.to_wire() for s in specs]
+            await engine.collective_rpc("vinterp_set_steering", args=(wires,))
+            state.global_ = specs
+        elif isinstance(body, dict) and set(body) == {"name", "steering"}:
+            name = body["name"]
+            if not isinstance(name, str) or not name or len(name) > 200:
+                raise BadRequest("name: a non-empty string of at most 200 characters")
+            spec = Steering.from_json(body["steering"])
+            check_steering(spec, config, "steering")
+            await engine.collective_rpc("vinterp_register_steering", args=(name, spec.to_wire()))
+            state.named[name] = spec
+        else:
+            raise BadRequest(
+                'expected {"global": [steering, ...]} or {"name": ..., "steering": ...}'
+            )
+    except (BadRequest, WireError, ValueError) as exc:
+        return _bad_request(str(exc))
+    return await get_steering(request)
+
+
+@router.delete("/v1/vinterp/steering")
+async def delete_steering(request: Request, name: str | None = None) -> JSONResponse:
+    """No name: clear the global steering; `?name=N`: unregister N."""
+    state, engine = _steering_state(request), _engine(request)
+    if name is None:
+        await engine.collective_rpc("vinterp_set_steering", args=([],))
+        state.global_ = []
+    elif name in state.named:
+        await engine.collective_rpc("vinterp_register_steering", args=(name, None))
+        del state.named[name]
+    else:
+        return _bad_request(f"no steering named {name!r} is registered")
+    return await get_steering(request)
+
+
+class VinterpRoutes:
+    """The `vllm.endpoint_plugins` entry point."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        state.vinterp_steering = ServedSteering()
