@@ -1,0 +1,44 @@
+"""How `vinterp serve` starts vLLM's server, without starting it: the arguments that make it
+a vinterp engine, and the plugin allowlist that brings in vinterp's routes (vLLM loads an
+endpoint plugin only when VLLM_PLUGINS names it, and that list then limits every plugin)."""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib.metadata import entry_points
+
+import pytest
+
+from vinterp.serve.launch import allow_routes_plugin, vllm_serve_argv
+from vinterp.serve.routes import PLUGIN_NAME
+
+
+def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
+    argv = vllm_serve_argv("m", "127.0.0.1", 8123, "k", ["--max-model-len", "512"])
+    assert argv[0] == "m" and argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--api-key") + 1] == "k"
+    assert "vinterp_sites" in json.loads(argv[argv.index("--additional-config") + 1])
+    assert argv[-2:] == ["--max-model-len", "512"]
+    assert "--api-key" not in vllm_serve_argv("m", "h", 1, None, [])
+
+
+@pytest.mark.parametrize(
+    "before, must_hold",
+    [
+        (None, {"vinterp", PLUGIN_NAME}),  # unset: every installed general plugin stays
+        ("", {"vinterp", PLUGIN_NAME}),  # an empty allowlist still gets vinterp's two
+        ("other", {"other", "vinterp", PLUGIN_NAME}),  # the user's list is extended
+    ],
+)
+def test_plugin_allowlist_names_the_routes_and_keeps_the_rest(monkeypatch, before, must_hold):
+    if before is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", before)
+    allow_routes_plugin()
+    allowed = os.environ["VLLM_PLUGINS"].split(",")
+    assert must_hold <= set(allowed) and len(allowed) == len(set(allowed))
+    if before is None:
+        assert {ep.name for ep in entry_points(group="vllm.general_plugins")} <= set(allowed)
+    assert PLUGIN_NAME in {ep.name for ep in entry_points(group="vllm.endpoint_plugins")}
