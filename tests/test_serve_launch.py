@@ -32,10 +32,9 @@ def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
     ],
 )
 def test_plugin_allowlist_names_the_routes_and_keeps_the_rest(monkeypatch, before, must_hold):
+    monkeypatch.setenv("VLLM_PLUGINS", before or "")  # restored (or removed) afterwards
     if before is None:
-        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_PLUGINS", before)
+        monkeypatch.delenv("VLLM_PLUGINS")
     allow_routes_plugin()
     allowed = os.environ["VLLM_PLUGINS"].split(",")
     assert must_hold <= set(allowed) and len(allowed) == len(set(allowed))
