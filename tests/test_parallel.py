@@ -138,10 +138,10 @@ def test_single_worker_equals_hf(engines, tiny_llama, single_worker_tokens) -> N
     assert all(len(t) == 8 for t in single_worker_tokens)
 
 
-def assert_probes_equal(got: dict, want: dict) -> None:
+def assert_probes_equal(got: dict, want: dict, tolerance: float = 1e-5) -> None:
     for name, value in want.items():
         assert got[name].shape == value.shape, name
-        assert rel_err(got[name].float(), value.float()) < 1e-5, name
+        assert rel_err(got[name].float(), value.float()) < tolerance, name
 
 
 def test_tensor_parallel_trace_equals_single_worker_and_hf(
@@ -271,6 +271,8 @@ def test_tensor_parallel_qwen2_equals_hf(engines) -> None:
     hf = engines.hf(model)
     want, want_tokens = probe(hf, raw=False), steered_by_lm_head_row(hf)
     llm = engines.vllm(model, tensor_parallel_size=2)
-    assert_probes_equal(probe(llm, raw=False), want)
+    # fp32 sums split over two ranks and HF's in another order: measured 1.08e-5 at
+    # layers.1.attn.output (transformers 5.19.0); a wrong gather or bias is off by ~1
+    assert_probes_equal(probe(llm, raw=False), want, tolerance=3e-5)
     plain, steered = steered_by_lm_head_row(llm)
     assert (plain, steered) == want_tokens and plain != steered
