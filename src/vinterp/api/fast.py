@@ -91,6 +91,9 @@ def prepare(
     items = prompts if isinstance(prompts, list) and not _is_token_ids(prompts) else [prompts]
     order = SiteOrder(len(llm.layers))
     prepared = []
+    names: set[str] | None = (
+        None  # registered steering names, asked once (a Client asks the server)
+    )
     for item in items:
         if not isinstance(item, (Request, str, list)):
             raise TypeError(
@@ -102,7 +105,7 @@ def prepare(
         req = Prepared(ids, sampling_kwargs({**sampling, **request.sampling}))
         for spec in _steering_list(steering) + _steering_list(request.steering):
             if isinstance(spec, str):
-                names = llm.steering.names()
+                names = llm.steering.names() if names is None else names
                 if spec not in names:
                     raise ValueError(
                         f"steering: no steering named {spec!r} is registered "

@@ -1,6 +1,6 @@
 """What `vinterp.LLM` and `vinterp.Client` share: the module tree a trace is written against
 and the trace context. A subclass gives the model description (`config`, `backend`,
-`pipeline_parallel_size`), `_tokenize` and a backend (`_engine.run_trace`)."""
+`pipeline_parallel_size`), `_encode` (its tokenizer) and a backend (`_engine.run_trace`)."""
 
 from __future__ import annotations
 
