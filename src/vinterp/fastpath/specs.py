@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.ir.wire import tensor_from_wire
+from vinterp.ir.wire import tensor_from_wire, tensor_to_wire
 from vinterp.sites.names import SiteOrder
 
 FAST_KEY = "vinterp_fast"
@@ -49,7 +49,12 @@ class SteerSpec:
     def content_key(self) -> tuple[Any, ...]:
         """Equal for specs that steer alike (the vectors by a digest of their bytes)."""
         vectors = tuple(
-            (site, str(v.dtype), tuple(v.shape), hashlib.blake2b(_bytes(v)).digest())
+            (
+                site,
+                str(v.dtype),
+                tuple(v.shape),
+                hashlib.blake2b(tensor_to_wire(v)["data"]).digest(),
+            )
             for site, v in sorted(self.vectors.items())
         )
         positions = None if self.positions is None else tuple(sorted(self.positions))
@@ -71,10 +76,6 @@ class SteerSpec:
         if self.norm_match:
             return vector / self.vectors[site].float().norm().clamp_min(1e-12)
         return vector
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass(frozen=True)
