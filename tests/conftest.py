@@ -16,16 +16,21 @@ class EnginePool:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
-        self.llm: vinterp.LLM | None = None
+        self.llm: Any = None
         self._hf: dict[str, vinterp.LLM] = {}
 
     def vllm(self, model: Any = None, **kwargs: Any) -> vinterp.LLM:
-        key = (str(model), tuple(sorted(kwargs.items())))
+        return self._engine(vinterp.LLM, model, kwargs)
+
+    def async_vllm(self, model: Any = None, **kwargs: Any) -> vinterp.AsyncLLM:
+        return self._engine(vinterp.AsyncLLM, model, kwargs)
+
+    def _engine(self, cls: type, model: Any, kwargs: dict[str, Any]) -> Any:
+        key = (cls.__name__, str(model), tuple(sorted(kwargs.items())))
         if key != self.key:
             self.release()
-            self.llm = vinterp.LLM(model, **kwargs)
+            self.llm = cls(model, **kwargs)
             self.key = key
-        assert self.llm is not None
         return self.llm
 
     def hf(self, model: Any = None) -> vinterp.LLM:

@@ -9,8 +9,8 @@ from vinterp.fastpath.specs import CaptureSpec, SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan, build_capture_tables
-from vinterp.ir.wire import tensor_from_wire
 from vinterp.sites.names import SiteOrder
+from vinterp.wire.tensors import tensor_from_wire
 
 SITE = "layers.1.output"
 ORDER = SiteOrder(2)
@@ -154,7 +154,7 @@ def test_decode_steps_follow_the_batch_as_it_changes() -> None:
 
 
 def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
-    from vinterp.ir.wire import tensor_to_wire
+    from vinterp.wire.tensors import tensor_to_wire
 
     def wire(vector: torch.Tensor, scale: float = 2.0) -> dict:
         return {

@@ -3,6 +3,7 @@ client on vLLM's own server, the same numbers as `vinterp.LLM`, keys, and clear 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -24,6 +25,15 @@ STEERING = vinterp.Steering(
     {"layers.10.output": torch.randn(576, generator=torch.Generator().manual_seed(7))}, scale=8.0
 )
 CAPTURE = vinterp.Capture(["layers.*.output", "embed.output"], positions="all_prompt")
+# 16 clients at once, each with its own steering; the row captured after it tells them apart
+DISTINCT = [
+    vinterp.Steering(
+        {"layers.10.output": torch.randn(576, generator=torch.Generator().manual_seed(100 + k))},
+        scale=8.0,
+    )
+    for k in range(16)
+]
+AFTER = vinterp.Capture(["layers.20.output"], positions="last_prompt")
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,12 +75,19 @@ def reference(engines) -> dict:
     plain = llm.generate(PROMPT, use_tqdm=False, **SAMPLING)[0]
     steered = llm.generate(PROMPT, steering=STEERING, capture=CAPTURE, use_tqdm=False, **SAMPLING)
     traced = traces(llm)
+    distinct = llm.generate(
+        [vinterp.Request(PROMPT, steering=st) for st in DISTINCT],
+        capture=AFTER,
+        use_tqdm=False,
+        **SAMPLING,
+    )
     engines.release()  # one engine at a time on this machine
     return {
         "plain": plain.text,
         "steered": steered[0].text,
         "captures": steered[0].captures,
         "traces": traced,
+        "distinct": distinct,
     }
 
 
@@ -122,6 +139,19 @@ def test_openai_client_steers_and_captures_like_llm(server, reference) -> None:
         assert captures[site].shape == value.shape, site
         assert rel_err(captures[site], value) < 1e-5, site
     assert complete(server).choices[0].text == reference["plain"]  # nothing left behind
+
+
+@pytest.mark.parametrize("key", ["vinterp_fast", "vinterp"])
+def test_vinterps_own_extra_args_cannot_be_sent_raw(server, reference, key) -> None:
+    """The workers trust these extra args (vinterp writes them after its checks): a client's
+    vllm_xargs carrying them would skip the checks or join another client's trace."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    model = httpx.get(server + "/v1/models", headers=headers).json()["data"][0]["id"]
+    forged = {"trace": "0" * 32, "invoke": 0} if key == "vinterp" else "{}"
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "vllm_xargs": {key: forged}}
+    r = httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 400 and "reserved" in r.json()["error"]["message"], r.text
+    assert complete(server).choices[0].text == reference["plain"]  # and it serves on
 
 
 def test_keys_are_required_except_for_health(server) -> None:
@@ -207,6 +237,43 @@ def test_client_generate_and_steering_equal_llm(client, server, reference) -> No
         client.generate(PROMPT, steering="tenfold", use_tqdm=False)
 
 
+def test_sixteen_concurrent_clients_each_get_their_own_results(server, reference) -> None:
+    async def one(k: int) -> vinterp.Output:
+        async with vinterp.AsyncClient(server, api_key=KEY) as client:
+            (out,) = await client.generate(PROMPT, steering=DISTINCT[k], capture=AFTER, **SAMPLING)
+        return out
+
+    async def main() -> list[vinterp.Output]:
+        return await asyncio.gather(*(one(k) for k in range(16)))
+
+    got, want = asyncio.run(main()), reference["distinct"]
+    site = "layers.20.output"
+    for k, out in enumerate(got):
+        assert out.text == want[k].text, k
+        errors = [rel_err(out.captures[site], w.captures[site]) for w in want]
+        assert errors[k] < 1e-5, k
+        assert min(e for j, e in enumerate(errors) if j != k) > 1e-2, k  # not another's row
+    assert len({out.text for out in got}) > 1
+
+
+def test_async_client_traces_and_steers_like_llm(server, reference) -> None:
+    async def main():
+        async with vinterp.AsyncClient(server, api_key=KEY) as client:
+            async with client.trace(PROMPT, max_tokens=1, use_tqdm=False):
+                lens = [client.unembed(client.layers[i].output[-1]).save() for i in (5, 15, 29)]
+            await client.steering.register("async-push", STEERING)
+            named = await client.steering.names()
+            (steered,) = await client.generate(PROMPT, steering="async-push", **SAMPLING)
+            await client.steering.unregister("async-push")
+            return lens, named, steered.text, await client.steering.names()
+
+    lens, named, steered, after = asyncio.run(main())
+    for got, want in zip(lens, reference["traces"]["lens"]):
+        assert rel_err(got.float(), want.float()) < 1e-5
+    assert "async-push" in named and "async-push" not in after
+    assert steered == reference["steered"]
+
+
 def test_vinterp_routes_need_the_key(server) -> None:
     routes = [
         ("GET", "/v1/vinterp/sites"),
@@ -223,7 +290,7 @@ def test_vinterp_routes_need_the_key(server) -> None:
 
 def _graph(client) -> dict:
     """The wire form (JSON) of a small valid trace, to mutate."""
-    from vinterp.ir.wire import to_wire
+    from vinterp.wire.graph import to_wire
     from vinterp.wire.json_form import payload_to_json
 
     captured = {}

@@ -2,13 +2,16 @@
 
 from vinterp import models
 from vinterp.api import LLM
-from vinterp.api.client import Client
+from vinterp.api.async_llm import AsyncLLM
+from vinterp.api.client import AsyncClient, Client
 from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
 from vinterp.api.specs import Capture, Request, Steering
 from vinterp.engine.outputs import Output
 from vinterp.wire.json_form import captures_from_json
 
 __all__ = [
+    "AsyncClient",
+    "AsyncLLM",
     "Capture",
     "Client",
     "LLM",

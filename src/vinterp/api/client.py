@@ -1,4 +1,5 @@
-"""`vinterp.Client`: `vinterp.LLM`'s API against a `vinterp serve` server (API.md section 6).
+"""`vinterp.Client` and `vinterp.AsyncClient`: `vinterp.LLM`'s API against a `vinterp serve`
+server (API.md section 6).
 
 The module tree comes from the server's site description (no weights here); a trace is
 recorded and checked exactly as with `vinterp.LLM`, then travels as its graph's wire form;
@@ -8,6 +9,7 @@ side sends is code, and nothing it receives is unpickled.
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,107 +17,53 @@ import httpx
 
 from vinterp.api.fast import Prepared, prepare
 from vinterp.api.front_end import Prompt, TraceFrontEnd
+from vinterp.api.http_backend import AsyncHTTPBackend, HTTPBackend, answer
 from vinterp.api.specs import Capture, Request, Steering
-from vinterp.api.steering_control import SteeringControl
+from vinterp.api.steering_control import AsyncSteeringControl, SteeringControl
 from vinterp.engine.outputs import Output
-from vinterp.ir.graph import Graph
-from vinterp.ir.plan import Plan, PlanError
-from vinterp.ir.wire import to_wire
-from vinterp.runtime.executor import Failure, TraceResult
-from vinterp.wire.json_form import captures_from_json, payload_to_json, saved_from_json
+from vinterp.wire.json_form import captures_from_json
 
-CONCURRENT_REQUESTS = 16  # generate() keeps this many completions in flight for batching
+CONCURRENT_REQUESTS = 16  # completions a generate() keeps in flight (the server batches them)
+SITES = "/v1/vinterp/sites"
+COMPLETIONS = "/v1/completions"
 
 
-class ServerError(RuntimeError):
-    """The server refused a request or failed; the message is the server's."""
+class RemoteModel(TraceFrontEnd):
+    """What Client and AsyncClient share: the server's model description, tokenization (a
+    plain call: recording a trace is synchronous), and the completion request of a prepared
+    prompt and its answer."""
 
-
-class HTTPBackend:
-    """The server's routes, as the calls `Trace` and `SteeringControl` make of a backend."""
-
-    def __init__(self, http: httpx.Client) -> None:
-        self.http = http
-
-    def request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        response = self.http.request(method, path, json=body, params=params or None)
-        if response.status_code == 400 and path == "/v1/vinterp/trace":
-            error = response.json()["error"]
-            raise PlanError(error["message"], out_of_order=bool(error.get("out_of_order")))
-        if response.status_code != 200:
-            raise ServerError(f"{method} {path}: HTTP {response.status_code}: {response.text}")
-        return response.json()
-
-    def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
-        data = self.request("POST", "/v1/vinterp/trace", {"graph": payload_to_json(to_wire(graph))})
-        outputs = [Output(**out) for out in data["outputs"]]
-        saved = {int(node): saved_from_json(value) for node, value in data["saved"].items()}
-        failure = Failure(**data["failure"]) if data["failure"] else None
-        return TraceResult(outputs, saved, failure)
-
-    def set_global_steering(self, specs: list[Steering]) -> None:
-        if specs:
-            self.request("PUT", "/v1/vinterp/steering", {"global": [s.to_json() for s in specs]})
-        else:
-            self.request("DELETE", "/v1/vinterp/steering")
-
-    def register_steering(self, name: str, spec: Steering | None) -> None:
-        if spec is None:
-            self.request("DELETE", "/v1/vinterp/steering", name=name)
-        else:
-            self.request("PUT", "/v1/vinterp/steering", {"name": name, "steering": spec.to_json()})
-
-    def steering_names(self) -> set[str]:
-        return set(self.request("GET", "/v1/vinterp/steering")["named"])
-
-
-class ClientSteering(SteeringControl):
-    """Named steerings are the server's: registered by any of its clients."""
-
-    def names(self) -> set[str]:
-        return self._llm._engine.steering_names()
-
-
-class Client(TraceFrontEnd):
-    """A served model: `client.trace`, `client.generate`, `client.steering` as on an LLM."""
-
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    def _connect(self, url: str, api_key: str | None, timeout: float) -> None:
         from transformers import PretrainedConfig
 
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
-        self._engine = HTTPBackend(self._http)
-        description = self._engine.request("GET", "/v1/vinterp/sites")
+        self._url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
+        self._http = httpx.Client(base_url=self._url, headers=self._headers, timeout=timeout)
+        description = answer(self._http.get(SITES), "GET", SITES)
         self.model = description["model"]
         self.config = PretrainedConfig.from_dict(description["config"])
         self.backend = "vllm"
         self.pipeline_parallel_size = int(description["pipeline_parallel_size"])
         self._init_front_end()
-        self.steering = ClientSteering(self)
 
     def _encode(self, text: str) -> list[int]:
-        data = self._engine.request("POST", "/tokenize", {"model": self.model, "prompt": text})
-        return list(data["tokens"])
+        body = {"model": self.model, "prompt": text}
+        return list(answer(self._http.post("/tokenize", json=body), "POST", "/tokenize")["tokens"])
 
-    def generate(
+    def _prepare(
         self,
-        prompts: Prompt | Request | list[Prompt | Request],
-        steering: Steering | str | list[Steering | str] | None = None,
-        capture: Capture | None = None,
-        use_tqdm: bool = True,
-        **sampling: Any,
-    ) -> list[Output]:
-        """As `LLM.generate`; captures come back in memory (`out.captures`)."""
-        from tqdm import tqdm
-
+        prompts: Any,
+        steering: Any,
+        capture: Capture | None,
+        sampling: dict[str, Any],
+        names: set[str] | None = None,
+    ) -> list[Prepared]:
         if capture is not None and capture.sink != "memory":
             raise ValueError("capture.sink: a server returns captures; use sink='memory'")
-        requests = prepare(self, prompts, steering, capture, sampling)
-        with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
-            done = pool.map(self._complete, requests)
-            return list(tqdm(done, total=len(requests), disable=not use_tqdm, desc="generate"))
+        return prepare(self, prompts, steering, capture, sampling, names)
 
-    def _complete(self, req: Prepared) -> Output:
+    def _completion(self, req: Prepared) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": req.prompt,
@@ -129,12 +77,50 @@ class Client(TraceFrontEnd):
             field["capture"] = req.capture.to_json()
         if field:
             body["vinterp"] = field
-        data = self._engine.request("POST", "/v1/completions", body)
+        return body
+
+    @staticmethod
+    def _output(req: Prepared, data: dict[str, Any]) -> Output:
         choice = data["choices"][0]
         out = Output(req.prompt, list(choice.get("token_ids") or []), choice["text"])
         if req.capture is not None:
             out.captures = captures_from_json(data["vinterp"]["captures"])
         return out
+
+
+class ClientSteering(SteeringControl):
+    """Named steerings are the server's: registered by any of its clients."""
+
+    def names(self) -> set[str]:
+        return self._llm._engine.steering_names()
+
+
+class Client(RemoteModel):
+    """A served model: `client.trace`, `client.generate`, `client.steering` as on an LLM."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self._connect(url, api_key, timeout)
+        self._engine = HTTPBackend(self._http)
+        self.steering = ClientSteering(self)
+
+    def generate(
+        self,
+        prompts: Prompt | Request | list[Prompt | Request],
+        steering: Steering | str | list[Steering | str] | None = None,
+        capture: Capture | None = None,
+        use_tqdm: bool = True,
+        **sampling: Any,
+    ) -> list[Output]:
+        """As `LLM.generate`; captures come back in memory (`out.captures`)."""
+        from tqdm import tqdm
+
+        requests = self._prepare(prompts, steering, capture, sampling)
+        with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
+            done = pool.map(self._complete, requests)
+            return list(tqdm(done, total=len(requests), disable=not use_tqdm, desc="generate"))
+
+    def _complete(self, req: Prepared) -> Output:
+        return self._output(req, self._engine.call("POST", COMPLETIONS, self._completion(req)))
 
     def close(self) -> None:
         self._http.close()
@@ -144,3 +130,51 @@ class Client(TraceFrontEnd):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncClientSteering(AsyncSteeringControl):
+    """Named steerings are the server's; `await client.steering.names()` asks it."""
+
+    async def names(self) -> set[str]:  # type: ignore[override]
+        return await self._llm._engine.steering_names()
+
+
+class AsyncClient(RemoteModel):
+    """As Client, awaited: `async with client.trace(...)`, `await client.generate(...)`,
+    `await client.steering.set(...)`. Many calls may be in flight from one event loop."""
+
+    asynchronous = True
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self._connect(url, api_key, timeout)
+        self._engine = AsyncHTTPBackend(self._url, self._headers, timeout)
+        self.steering = AsyncClientSteering(self)
+
+    async def generate(
+        self,
+        prompts: Prompt | Request | list[Prompt | Request],
+        steering: Steering | str | list[Steering | str] | None = None,
+        capture: Capture | None = None,
+        **sampling: Any,
+    ) -> list[Output]:
+        """As `Client.generate`, awaited; up to 16 completions in flight at once."""
+        names = await self._engine.steering_names()
+        requests = self._prepare(prompts, steering, capture, sampling, names)
+        slots = asyncio.Semaphore(CONCURRENT_REQUESTS)
+
+        async def complete(req: Prepared) -> Output:
+            async with slots:
+                data = await self._engine.call("POST", COMPLETIONS, self._completion(req))
+            return self._output(req, data)
+
+        return list(await asyncio.gather(*(complete(r) for r in requests)))
+
+    async def aclose(self) -> None:
+        self._http.close()
+        await self._engine.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

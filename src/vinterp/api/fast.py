@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,14 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from vinterp.api.specs import Capture, Request, Steering
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.names import SiteOrder, UnknownSiteError, parse_site
 
 if TYPE_CHECKING:
     from vinterp.api.llm import LLM
     from vinterp.engine.outputs import Output
 
 log = logging.getLogger("vinterp.capture")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 @dataclass
@@ -59,7 +57,8 @@ def check_steering(steering: Steering, config: Any, field_name: str = "steering"
     """Layer range and vector size against the model's HF config; ValueError naming the field."""
     layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
     for site, vector in steering.vectors.items():
-        layer = int(_LAYER.match(site).group(1))  # type: ignore[union-attr]
+        layer = parse_site(site).layer  # a Steering holds only layer sites
+        assert layer is not None
         if layer >= layers:
             raise ValueError(
                 f"{field_name}.vectors[{site!r}]: layer {layer} is out of range; "
@@ -84,16 +83,15 @@ def prepare(
     steering: Any,
     capture: Capture | None,
     sampling: dict[str, Any],
+    names: set[str] | None = None,
 ) -> list[Prepared]:
-    """Normalize prompts (strings, token ids, Request items) and check every spec."""
+    """Normalize prompts (strings, token ids, Request items) and check every spec. `names`:
+    the registered steering names, when the caller has them (else asked when needed)."""
     from vinterp.engine.sampling import sampling_kwargs
 
     items = prompts if isinstance(prompts, list) and not _is_token_ids(prompts) else [prompts]
     order = SiteOrder(len(llm.layers))
     prepared = []
-    names: set[str] | None = (
-        None  # registered steering names, asked once (a Client asks the server)
-    )
     for item in items:
         if not isinstance(item, (Request, str, list)):
             raise TypeError(
@@ -140,7 +138,7 @@ def captured_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """Per site (P, H) rows in position order, limited to tokens the model actually read
     (a scheduler step past the end would otherwise add one)."""
-    from vinterp.ir.wire import tensor_from_wire
+    from vinterp.wire.tensors import tensor_from_wire
 
     read_upto = prompt_len + max(generated - 1, 0)
     tensors, positions = {}, {}
@@ -154,6 +152,20 @@ def captured_tensors(
         tensors[site] = values
         positions[site] = [data["positions"][i] for i in keep]
     return tensors, positions
+
+
+def capture_ids(requests: list[Prepared]) -> list[str]:
+    """The capture ids of the requests that capture (their rows are taken by these)."""
+    return [r.capture_id for r in requests if r.capture is not None]
+
+
+def deliver_all(
+    requests: list[Prepared], outputs: list[Output], rows: dict[str, Any], model: str
+) -> None:
+    """Every capturing request's rows (taken from the workers by capture id) to its sink."""
+    for k, req in enumerate(requests):
+        if req.capture is not None:
+            deliver(req, outputs[k], rows.get(req.capture_id, {}), k, model)
 
 
 def deliver(req: Prepared, out: Output, rows: dict[str, Any], index: int, model: str) -> None:

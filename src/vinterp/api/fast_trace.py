@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vinterp.api.specs import Steering
+from vinterp.sites.names import parse_site
 
 if TYPE_CHECKING:
     from vinterp.api.fast import Prepared
@@ -21,15 +22,11 @@ if TYPE_CHECKING:
 
 def site_point(llm: LLM, site: str) -> tuple[Any, str]:
     """(object, attribute) whose attribute is the named standardized site."""
-    parts = site.split(".")
-    if len(parts) == 1:  # logits, samples
-        return llm, site
-    if parts[0] == "layers":
-        point: Any = llm.layers[int(parts[1])]
-        for name in parts[2:-1]:
-            point = getattr(point, name)
-        return point, parts[-1]
-    return getattr(llm, parts[0]), parts[1]
+    parsed = parse_site(site)
+    point: Any = llm if parsed.layer is None else llm.layers[parsed.layer]
+    if parsed.module:
+        point = getattr(point, parsed.module)
+    return point, parsed.value
 
 
 def record_steering(llm: LLM, tr: Trace, spec: Steering, prompt_len: int) -> None:

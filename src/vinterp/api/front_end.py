@@ -1,9 +1,11 @@
-"""What `vinterp.LLM` and `vinterp.Client` share: the module tree a trace is written against
-and the trace context. A subclass gives the model description (`config`, `backend`,
-`pipeline_parallel_size`), `_encode` (its tokenizer) and a backend (`_engine.run_trace`)."""
+"""What `vinterp.LLM`, `vinterp.AsyncLLM` and the clients share: the module tree a trace is
+written against and the trace context. A subclass gives the model description (`config`,
+`backend`, `pipeline_parallel_size`), `_encode` (its tokenizer) and a backend
+(`_engine.run_trace`, a coroutine function where `asynchronous` is set)."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
@@ -11,15 +13,19 @@ from vinterp.api.trace import Trace
 
 Prompt = str | list[int]
 
+# The trace being recorded, per front-end: a context variable, so that concurrent tasks (and
+# threads) each record their own trace on one shared model. Never mutated, only replaced.
+_RECORDING: ContextVar[dict[int, Trace]] = ContextVar("vinterp_recording", default={})  # noqa: B039
+
 
 class TraceFrontEnd:
     config: Any
     backend: str
     pipeline_parallel_size: int
     _engine: Any
+    asynchronous = False  # traces run with `async with`, generate is awaited
 
     def _init_front_end(self) -> None:
-        self._trace: Trace | None = None
         self.layers = Layers(self)
         self.embed = SitePoint(self, "embed")
         self.final_norm = ModulePoint(self, "final_norm", "final_norm")
@@ -53,17 +59,21 @@ class TraceFrontEnd:
         return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)  # type: ignore[arg-type]
 
     def _begin_trace(self, trace: Trace) -> None:
-        if self._trace is not None:
+        recording = _RECORDING.get()
+        if id(self) in recording:
             raise RuntimeError("traces on one model cannot be nested")
-        self._trace = trace
+        _RECORDING.set({**recording, id(self): trace})
 
     def _end_trace(self, trace: Trace) -> None:
-        self._trace = None
+        recording = _RECORDING.get()
+        if recording.get(id(self)) is trace:
+            _RECORDING.set({k: v for k, v in recording.items() if k != id(self)})
 
     def _active_trace(self) -> Trace:
-        if self._trace is None:
+        trace = _RECORDING.get().get(id(self))
+        if trace is None:
             raise RuntimeError("site values exist only inside `with llm.trace(...):`")
-        return self._trace
+        return trace
 
     def unembed(self, value: Any) -> Any:
         """`lm_head(final_norm(value))` inside a trace: the logit lens."""

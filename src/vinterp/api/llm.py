@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.fast import deliver, prepare
+from vinterp.api.fast import capture_ids, deliver_all, prepare
 from vinterp.api.fast_trace import generate_with_trace
 from vinterp.api.front_end import Prompt, TraceFrontEnd
 from vinterp.api.specs import Capture, Request, Steering
@@ -16,8 +16,63 @@ from vinterp.sites.modules import check_site_paths
 BACKENDS = ("vllm", "hf")
 
 
-class LLM(TraceFrontEnd):
-    """A model to generate with (and, in later releases, to trace, steer and capture).
+class LocalModel(TraceFrontEnd):
+    """What `LLM` and `AsyncLLM` share: a checkpoint on this machine, its configuration and
+    tokenizer (loaded before any engine starts, so bad arguments fail fast), the engine's
+    lifetime."""
+
+    _engine: Any
+
+    def _load(
+        self,
+        model: str | Path | None,
+        backend: str,
+        pipeline_parallel_size: int,
+        sites: dict[str, str] | None,
+        engine_kwargs: dict[str, Any],
+    ) -> tuple[str | Path, str]:
+        """Reads the model's description; returns the checkpoint and the dtype to run in."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if model is None:
+            from vinterp.models import bundled
+
+            model = bundled()
+        self.model_path = model
+        self.backend = backend
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.config = AutoConfig.from_pretrained(str(model))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        check_site_paths(self.config.model_type, sites)
+        if backend == "vllm":
+            from vinterp.engine.vllm_engine import check_native_model
+
+            check_native_model(self.config, engine_kwargs)
+        return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
+
+    @property
+    def engine(self) -> Any:
+        """The underlying `vllm.LLM` (or transformers model with backend='hf')."""
+        return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (also done at interpreter exit)."""
+        self._engine.shutdown()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class LLM(LocalModel):
+    """A model to trace, steer and capture, served by vLLM or run by transformers.
 
     `model` is a local HF checkpoint directory (or a hub id where a hub is reachable); None is
     the bundled SmolLM2-135M-Instruct. The dtype defaults to the checkpoint's own on both
@@ -35,21 +90,7 @@ class LLM(TraceFrontEnd):
         sites: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if model is None:
-            from vinterp.models import bundled
-
-            model = bundled()
-        self.model_path = model
-        self.backend = backend
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.config = AutoConfig.from_pretrained(str(model))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
-        check_site_paths(self.config.model_type, sites)  # before any engine starts
-        dtype = engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
+        model, dtype = self._load(model, backend, pipeline_parallel_size, sites, engine_kwargs)
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
@@ -57,20 +98,13 @@ class LLM(TraceFrontEnd):
 
             self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)
         else:
-            from vinterp.engine.vllm_engine import VLLMEngine, check_native_model
+            from vinterp.engine.vllm_engine import VLLMEngine
 
-            check_native_model(self.config, engine_kwargs)
             self._engine = VLLMEngine(
                 model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
             )
-
         self._init_front_end()
         self.steering = SteeringControl(self)
-
-    @property
-    def engine(self) -> Any:
-        """The underlying `vllm.LLM` (or transformers model with backend='hf')."""
-        return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
 
     def generate(
         self,
@@ -94,31 +128,15 @@ class LLM(TraceFrontEnd):
             [r.extra_args() for r in requests] if fast else None,
             use_tqdm=use_tqdm,
         )
-        captured = [r for r in requests if r.capture is not None]
-        if captured:
-            rows = self._engine.take_captures([r.capture_id for r in captured])
-            for k, req in enumerate(requests):
-                if req.capture is not None:
-                    deliver(req, outputs[k], rows.get(req.capture_id, {}), k, str(self.model_path))
+        ids = capture_ids(requests)
+        if ids:
+            deliver_all(requests, outputs, self._engine.take_captures(ids), str(self.model_path))
         return outputs
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
 
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
         graphs (steps that trace or capture); steering alone never leaves the graphs."""
         return self._engine.step_stats()
-
-    def shutdown(self) -> None:
-        """Stop the engine and its worker processes (also done at interpreter exit)."""
-        self._engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
 
 def checkpoint_dtype(config: Any) -> str:

@@ -7,17 +7,16 @@ queued; the checks here are the ones that hold for any model.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-STEERABLE = re.compile(r"^layers\.(\d+)\.(input|output|attn\.output|mlp\.output)$")
-CAPTURABLE = re.compile(
-    r"^(embed\.output|final_norm\.output|"
-    r"layers\.(\d+|\*)\.(input|output|attn\.input|attn\.output|mlp\.input|mlp\.output))$"
-)
+from vinterp.sites.names import UnknownSiteError, parse_site
+from vinterp.wire.errors import WireError
+
+STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
+CAPTURABLE_OUTSIDE_LAYERS = ("embed.output", "final_norm.output")
 PositionSelector = Literal["last_prompt", "all_prompt", "all_generated", "all"]
 
 
@@ -42,7 +41,7 @@ class Steering(BaseModel):
             raise ValueError("vectors: give a dict {site: vector}, e.g. {'layers.10.output': v}")
         out = {}
         for site, vector in value.items():
-            if not isinstance(site, str) or not STEERABLE.match(site):
+            if not isinstance(site, str) or not _is_steerable(site):
                 raise ValueError(
                     f"vectors: {site!r} cannot be steered; use layers.{{i}}.input|output, "
                     "layers.{i}.attn.output or layers.{i}.mlp.output"
@@ -75,17 +74,19 @@ class Steering(BaseModel):
 
     @classmethod
     def from_json(cls, obj: Any) -> Steering:
-        """The inverse of `to_json`; WireError or ValueError (pydantic) on bad input."""
-        from vinterp.ir.wire import WireError
+        """The inverse of `to_json`, for data from anyone: raises only WireError."""
         from vinterp.wire.json_form import tensor_from_json
 
-        if not isinstance(obj, dict) or not isinstance(obj.get("vectors"), dict):
-            raise WireError("steering: expected {vectors: {site: tensor}, scale, ...}")
-        vectors = {s: tensor_from_json(v, f"vectors[{s!r}]") for s, v in obj["vectors"].items()}
-        return cls(vectors, **{k: v for k, v in obj.items() if k != "vectors"})
+        _check_fields(obj, "steering", cls.model_fields)
+        if not isinstance(obj["vectors"], dict):
+            raise WireError("steering.vectors: expected {site: tensor}")
+        vectors = {
+            s: tensor_from_json(v, f"steering.vectors[{s!r}]") for s, v in obj["vectors"].items()
+        }
+        return _validated(cls, "steering", {**obj, "vectors": vectors})
 
     def to_wire(self) -> dict[str, Any]:
-        from vinterp.ir.wire import tensor_to_wire
+        from vinterp.wire.tensors import tensor_to_wire
 
         return {
             "vectors": {s: tensor_to_wire(v) for s, v in self.vectors.items()},
@@ -117,7 +118,7 @@ class Capture(BaseModel):
         if not value:
             raise ValueError("sites: name at least one site, e.g. 'layers.*.output'")
         for site in value:
-            if not CAPTURABLE.match(site):
+            if not _is_capturable(site):
                 raise ValueError(
                     f"sites: {site!r} cannot be captured; use embed.output, final_norm.output "
                     "or layers.{i|*}.input|output|attn.input|attn.output|mlp.input|mlp.output"
@@ -137,11 +138,9 @@ class Capture(BaseModel):
 
     @classmethod
     def from_json(cls, obj: Any) -> Capture:
-        from vinterp.ir.wire import WireError
-
-        if not isinstance(obj, dict) or "sites" not in obj:
-            raise WireError("capture: expected {sites, positions, sink, path}")
-        return cls(**obj)
+        """The inverse of `to_json`, for data from anyone: raises only WireError."""
+        _check_fields(obj, "capture", cls.model_fields)
+        return _validated(cls, "capture", obj)
 
     @model_validator(mode="after")
     def _sink_path(self) -> Capture:
@@ -165,3 +164,49 @@ class Request(BaseModel):
     @property
     def sampling(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+
+def _is_steerable(site: str) -> bool:
+    try:
+        parsed = parse_site(site)
+    except UnknownSiteError:
+        return False
+    return parsed.kind == "layer" and parsed.part in STEERABLE
+
+
+def _is_capturable(site: str) -> bool:
+    try:
+        parsed = parse_site(site, pattern=True)
+    except UnknownSiteError:
+        return False
+    return parsed.kind == "layer" or site in CAPTURABLE_OUTSIDE_LAYERS
+
+
+def _check_fields(obj: Any, what: str, fields: dict[str, Any]) -> None:
+    """A JSON spec is an object with its first field and no unknown ones."""
+    first = next(iter(fields))
+    if not isinstance(obj, dict) or first not in obj:
+        raise WireError(f"{what}: expected {{{', '.join(fields)}}} with {first}")
+    unknown = [k for k in obj if k not in fields]
+    if unknown:
+        raise WireError(
+            f"{what}: unknown fields {[str(k) for k in unknown][:5]}; the fields are "
+            f"{', '.join(fields)}"
+        )
+
+
+def _validated(cls: type[BaseModel], what: str, fields: dict[str, Any]) -> Any:
+    """`cls(**fields)` with pydantic's validation errors as one WireError naming each field."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            message = str(error["msg"]).removeprefix("Value error, ")
+            field = str(error["loc"][0]) if error["loc"] else ""
+            problems.append(
+                f"{what}.{message}"
+                if not field or message.startswith(field)
+                else f"{what}.{field}: {message}"
+            )
+        raise WireError("; ".join(problems)) from None

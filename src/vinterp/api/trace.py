@@ -11,6 +11,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ from vinterp.api.values import Value
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.ir.graph import STEP_ZERO, Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
 from vinterp.ir.ops import lookup
-from vinterp.ir.plan import PlanError, make_plan
+from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.sites.params import param_shape, parse_param
@@ -29,6 +30,7 @@ from vinterp.sites.raw import is_raw
 
 if TYPE_CHECKING:
     from vinterp.api.llm import LLM, Prompt
+    from vinterp.runtime.executor import TraceResult
 
 _PACKAGE_DIR = os.path.dirname(vinterp.__file__)
 
@@ -65,17 +67,45 @@ class Trace:
 
     # -- contexts ---------------------------------------------------------------------------
     def __enter__(self) -> Trace:
+        if self._llm.asynchronous:
+            raise TypeError("this model runs traces asynchronously: `async with model.trace(...)`")
+        return self._enter()
+
+    def _enter(self) -> Trace:
         self._llm._begin_trace(self)
         if self._implicit_prompt is not None:
             self._open_invoke(self._implicit_prompt, {})
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        plan, frame = self._close(exc_type is not None), sys._getframe(1)
+        if plan is not None:
+            with _as_trace_errors():
+                result = self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
+            self._finish(result, frame)
+
+    async def __aenter__(self) -> Trace:
+        if not self._llm.asynchronous:
+            raise TypeError("this model runs traces synchronously: `with model.trace(...)`")
+        return self._enter()
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Runs the trace on the async engine; other tasks run meanwhile (their own traces
+        too: the trace being recorded is per task)."""
+        plan, frame = self._close(exc_type is not None), sys._getframe(1)
+        if plan is not None:
+            with _as_trace_errors():
+                result = await self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
+            self._finish(result, frame)
+
+    def _close(self, failed: bool) -> Plan | None:
+        """Stop recording; the plan to run, or None when the body raised."""
         self._llm._end_trace(self)
         self._invoke = None
-        if exc_type is not None:
-            return
-        self._run(sys._getframe(1))
+        if failed:
+            return None
+        with _as_trace_errors():
+            return self._plan()
 
     def invoke(self, prompt: Prompt, **sampling: Any) -> _InvokeContext:
         """One prompt in this trace; sampling options override the trace's."""
@@ -267,19 +297,18 @@ class Trace:
         )
 
     # -- running ----------------------------------------------------------------------------
-    def _run(self, frame: Any) -> None:
+    def _plan(self) -> Plan:
+        """The recorded graph's plan; the first recording error or a static one raised here,
+        before anything reaches the engine."""
         if self._errors:
             raise self._errors[0]
         if not self.graph.invokes:
             raise TraceError("a trace needs a prompt: llm.trace(prompt) or tr.invoke(prompt)")
-        try:
-            num_layers, stages = len(self._llm.layers), self._llm.pipeline_parallel_size
-            plan = make_plan(self.graph, self._sites, last_stage_start(num_layers, stages))
-            result = self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
-        except UnknownSiteError as exc:
-            raise TraceError(str(exc)) from None
-        except PlanError as exc:
-            raise (OutOfOrderError if exc.out_of_order else TraceError)(str(exc)) from None
+        num_layers, stages = len(self._llm.layers), self._llm.pipeline_parallel_size
+        return make_plan(self.graph, self._sites, last_stage_start(num_layers, stages))
+
+    def _finish(self, result: TraceResult, frame: Any) -> None:
+        """Outputs and saves into the caller's variables, or the intervention's failure."""
         self.outputs = result.outputs
         if result.failure is not None:
             f = result.failure
@@ -290,6 +319,17 @@ class Trace:
             in_block = self.graph.nodes[node].block != STEP_ZERO
             replacements[id(value)] = result.saved.get(node, [] if in_block else None)
         _rebind(frame, replacements)
+
+
+@contextmanager
+def _as_trace_errors() -> Iterator[None]:
+    """Planning and worker-side plan errors as the user-facing trace errors."""
+    try:
+        yield
+    except UnknownSiteError as exc:
+        raise TraceError(str(exc)) from None
+    except PlanError as exc:
+        raise (OutOfOrderError if exc.out_of_order else TraceError)(str(exc)) from None
 
 
 class _InvokeContext:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,3 +17,8 @@ class Output:
     text: str
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
     capture_file: str | None = None
+
+
+def output_to_json(out: Output) -> dict[str, Any]:
+    """The tokens and text of an output (what a server returns for a trace's invoke)."""
+    return {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text}

@@ -14,9 +14,9 @@ from vinterp.engine.plugin import CONFIG_KEY
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
-from vinterp.ir.wire import to_wire
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
+from vinterp.wire.graph import to_wire
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
@@ -67,6 +67,38 @@ def vinterp_engine_settings(site_paths: dict[str, str] | None = None) -> dict[st
     }
 
 
+def engine_arguments(
+    model: Path | str,
+    dtype: str,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    site_paths: dict[str, str] | None,
+    engine_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """vLLM's engine arguments for a vinterp engine (sync and async alike); on a CPU, this
+    machine's settings for that many workers first."""
+    if _on_cpu():
+        configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        **vinterp_engine_settings(site_paths),
+        **engine_kwargs,
+    }
+
+
+def vllm_prompt(ids: list[int], salted: bool) -> dict[str, Any]:
+    """vLLM's prompt for token ids. With prefix caching on, an intervened request is salted
+    (its own cache salt): cached blocks skip the forward (DESIGN.md lesson 1), so its prompt
+    is computed in full while plain requests keep sharing the cache."""
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if salted:
+        prompt["cache_salt"] = uuid.uuid4().hex
+    return prompt
+
+
 class VLLMEngine:
     """Owns one `vllm.LLM`; `shutdown()` stops its engine core and worker processes."""
 
@@ -81,15 +113,8 @@ class VLLMEngine:
     ) -> None:
         import vllm
 
-        if _on_cpu():
-            configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
-        kwargs = {"dtype": dtype, **vinterp_engine_settings(site_paths), **engine_kwargs}
-        self.llm = vllm.LLM(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            **kwargs,
-        )
+        sizes = (tensor_parallel_size, pipeline_parallel_size)
+        self.llm = vllm.LLM(**engine_arguments(model, dtype, *sizes, site_paths, engine_kwargs))
         self._closed = False
         cache_config = self.llm.llm_engine.vllm_config.cache_config
         self._prefix_caching = bool(cache_config.enable_prefix_caching)
@@ -97,13 +122,7 @@ class VLLMEngine:
         atexit.register(self.shutdown)
 
     def _prompt(self, ids: list[int], intervened: bool) -> dict[str, Any]:
-        """vLLM's prompt for token ids. With prefix caching on, an intervened request gets its
-        own cache salt: cached blocks skip the forward (DESIGN.md lesson 1), so its prompt is
-        computed in full while plain requests keep sharing the cache."""
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if (intervened or self._global_steering) and self._prefix_caching:
-            prompt["cache_salt"] = uuid.uuid4().hex
-        return prompt
+        return vllm_prompt(ids, (intervened or self._global_steering) and self._prefix_caching)
 
     def generate(
         self,
@@ -113,13 +132,8 @@ class VLLMEngine:
         use_tqdm: bool = True,
     ) -> list[Output]:
         """Generate for token-id prompts, in order; `fast` carries steering/capture data."""
-        import vllm
-
         fast = fast or [None] * len(prompts)
-        params = [
-            vllm.SamplingParams(**s, extra_args={FAST_KEY: f} if f else None)
-            for s, f in zip(sampling, fast)
-        ]
+        params = [fast_params(s, f) for s, f in zip(sampling, fast)]
         results = self.llm.generate(
             [self._prompt(ids, f is not None) for ids, f in zip(prompts, fast)],
             params,
@@ -172,6 +186,13 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM engine shutdown raised", exc_info=True)
+
+
+def fast_params(sampling: dict[str, Any], fast: dict[str, Any] | None) -> Any:
+    """vLLM's sampling parameters for a request with (or without) steering/capture data."""
+    import vllm
+
+    return vllm.SamplingParams(**sampling, extra_args={FAST_KEY: fast} if fast else None)
 
 
 def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vinterp.fastpath.tables import SiteCapture
-from vinterp.ir.wire import tensor_to_wire
+from vinterp.wire.tensors import tensor_to_wire
 
 # per capture id, per site: (one step's gathered rows, first row, positions) for each step
 _Chunk = tuple[torch.Tensor, int, list[int]]

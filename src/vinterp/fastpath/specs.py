@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.ir.wire import tensor_from_wire, tensor_to_wire
 from vinterp.sites.names import SiteOrder
+from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 FAST_KEY = "vinterp_fast"
 _SERIALS = itertools.count(1)

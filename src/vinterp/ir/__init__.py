@@ -1,1 +1,2 @@
-"""The intervention graph: nodes, whitelisted ops, wire format, forward-order planning."""
+"""The intervention graph: nodes, whitelisted ops, forward-order planning (its wire form
+is vinterp.wire.graph)."""

@@ -78,7 +78,7 @@ def refs_in(value: Any) -> list[int]:
     if isinstance(value, dict):
         if "ref" in value:
             return [value["ref"]]
-        return [r for item in value.get("items", []) for r in refs_in(item)]
+        return [r for item in value.get("items", value.get("slice", [])) for r in refs_in(item)]
     if isinstance(value, list):
         return [r for item in value for r in refs_in(item)]
     return []

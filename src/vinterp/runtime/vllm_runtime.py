@@ -23,7 +23,6 @@ from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, Steer
 from vinterp.fastpath.tables import RowSpan
 from vinterp.fastpath.worker import FastPath
 from vinterp.ir.plan import PlanError, make_plan
-from vinterp.ir.wire import WireError, from_wire, tensor_from_wire, tensor_to_wire
 from vinterp.runtime.executor import Failure, TraceRun
 from vinterp.runtime.pipeline import StageValues, last_stage_start
 from vinterp.runtime.site_ops import PYTHON
@@ -31,7 +30,10 @@ from vinterp.runtime.tensor_parallel import VLLMParams, full_logits, full_raw
 from vinterp.sites.modules import SiteModules, unhooked
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
+from vinterp.wire.errors import WireError
+from vinterp.wire.graph import from_wire
 from vinterp.wire.json_form import payload_from_text
+from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 EXTRA_ARGS_KEY = "vinterp"
 

@@ -19,21 +19,22 @@ from starlette.responses import JSONResponse, Response
 from vinterp.api.fast import Prepared, captured_tensors, check_steering
 from vinterp.api.specs import Capture, Steering
 from vinterp.fastpath.specs import FAST_KEY
-from vinterp.ir.wire import WireError
+from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY
 from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
 
 FIELD = "vinterp"
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-class FieldError(ValueError):
-    pass
+class FieldError(WireError):
+    """A `vinterp` field that is malformed or does not fit the served model."""
 
 
 def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
     """The request's steering and capture, checked against the model (HF `config`) and the
-    server's `named` steerings."""
+    server's `named` steerings; raises only WireError (FieldError is one)."""
     if not isinstance(value, dict) or not set(value) <= {"steering", "capture"}:
         raise FieldError("vinterp: expected {steering: ..., capture: ...}")
     prepared = Prepared(prompt=[], sampling={})
@@ -48,7 +49,10 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
             prepared.steering_names.append(item)
             continue
         spec = Steering.from_json(item)
-        check_steering(spec, config, "vinterp.steering")
+        try:
+            check_steering(spec, config, "vinterp.steering")
+        except ValueError as exc:
+            raise FieldError(str(exc)) from None
         prepared.steering.append(spec)
     if value.get("capture") is not None:
         capture = Capture.from_json(value["capture"])
@@ -61,6 +65,11 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
             raise FieldError(f"vinterp.capture.sites: {exc}") from None
         prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
     return prepared
+
+
+# What vinterp puts into a request's extra_args: a client's own vllm_xargs may not carry them
+# (they would reach the workers unchecked, or join another client's trace).
+RESERVED_XARGS = {FAST_KEY, EXTRA_ARGS_KEY}
 
 
 def _bad_request(message: str) -> JSONResponse:
@@ -76,7 +85,16 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         body = json.loads(await request.body())
     except ValueError:
         return await call_next(request)  # vLLM answers a malformed body itself
-    if not isinstance(body, dict) or FIELD not in body:
+    if not isinstance(body, dict):
+        return await call_next(request)
+    xargs = body.get("vllm_xargs")
+    reserved = sorted(set(xargs) & RESERVED_XARGS) if isinstance(xargs, dict) else []
+    if reserved:  # the workers trust these: only vinterp writes them, after its checks
+        return _bad_request(
+            f"vllm_xargs.{reserved[0]} is reserved for vinterp; send steering and capture "
+            f"in the {FIELD!r} body field"
+        )
+    if FIELD not in body:
         return await call_next(request)
     engine = request.app.state.engine_client
     try:

@@ -10,9 +10,7 @@ unpickled. Every malformed request gets a 400 that names the problem.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
 from argparse import Namespace
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +20,13 @@ from starlette.responses import JSONResponse
 
 from vinterp.api.fast import check_steering
 from vinterp.api.specs import Steering
+from vinterp.engine.outputs import output_to_json
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
-from vinterp.ir.wire import WireError, from_wire
 from vinterp.runtime.pipeline import last_stage_start
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.names import SiteOrder
+from vinterp.wire.errors import WireError
+from vinterp.wire.graph import from_wire
 from vinterp.wire.json_form import payload_from_json, saved_to_json
 
 PLUGIN_NAME = "vinterp_routes"
@@ -124,62 +124,23 @@ async def trace(request: Request) -> JSONResponse:
         wire, graph, plan = decode_trace(await _json_body(request), _config(request), stages)
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
-    except (BadRequest, WireError, UnknownSiteError) as exc:
+    except (BadRequest, WireError) as exc:
         return _bad_request(str(exc))
-    try:
-        outputs, per_worker = await _run(engine, wire, graph, plan)
-    except PlanError as exc:
-        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+    from vinterp.engine.async_vllm_engine import run_trace
     from vinterp.engine.vllm_engine import collected_result
 
+    try:
+        outputs, per_worker = await run_trace(engine, wire, graph, plan)
+    except PlanError as exc:
+        return _bad_request(str(exc), out_of_order=exc.out_of_order)
     result = collected_result(outputs, per_worker)
     return JSONResponse(
         {
-            "outputs": outputs,
+            "outputs": [output_to_json(out) for out in outputs],
             "saved": {str(node): saved_to_json(v) for node, v in result.saved.items()},
             "failure": None if result.failure is None else result.failure.__dict__,
         }
     )
-
-
-async def _run(
-    engine: Any, wire: dict[str, Any], graph: Graph, plan: Any
-) -> tuple[list[dict[str, Any]], list[Any]]:
-    """As `VLLMEngine.run_trace`, on the server's async engine: every invoke of a round in
-    flight at once, rounds in order, the saves collected even when a round fails."""
-    from vinterp.engine.vllm_engine import invoke_params
-
-    trace_id = uuid.uuid4().hex
-    errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
-    if any(errors):
-        await engine.collective_rpc("vinterp_forget", args=(trace_id,))
-        raise PlanError(next(e for e in errors if e))
-    salted = engine.vllm_config.cache_config.enable_prefix_caching
-
-    async def complete(k: int) -> dict[str, Any]:
-        prompt: dict[str, Any] = {"prompt_token_ids": graph.invokes[k].prompt}
-        if salted:  # computed in full, not read from the prefix cache (DESIGN.md lesson 1)
-            prompt["cache_salt"] = uuid.uuid4().hex
-        final = None
-        params = invoke_params(graph, k, trace_id)
-        async for out in engine.generate(prompt, params, f"vinterp-{trace_id}-{k}"):
-            final = out
-        assert final is not None
-        completion = final.outputs[0]
-        return {
-            "prompt_token_ids": list(final.prompt_token_ids or []),
-            "token_ids": list(completion.token_ids),
-            "text": completion.text,
-        }
-
-    outputs: list[dict[str, Any]] = [{} for _ in graph.invokes]
-    try:
-        for round_ in plan.rounds:
-            for k, out in zip(round_, await asyncio.gather(*(complete(k) for k in round_))):
-                outputs[k] = out
-    finally:
-        per_worker = await engine.collective_rpc("vinterp_collect", args=(trace_id,))
-    return outputs, per_worker
 
 
 def _steering_state(request: Request) -> ServedSteering:

@@ -7,32 +7,26 @@ trace that names them and removed after it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from vinterp.sites.names import UnknownSiteError
-
-PREFIX = "raw."
-_RAW_RE = re.compile(r"^raw\.(\w+(?:\.\w+)*)\.(input|output)$")
+from vinterp.sites.names import RAW_PREFIX, UnknownSiteError, parse_site
 
 RawCallback = Callable[[str, Any], None]
 
 
 def is_raw(site: str) -> bool:
-    return site.startswith(PREFIX)
+    return site.startswith(RAW_PREFIX)
 
 
 def parse_raw(site: str) -> tuple[str, str]:
     """(module path, "input"|"output") of a raw site name, or UnknownSiteError."""
-    match = _RAW_RE.match(site)
-    if not match:
-        raise UnknownSiteError(
-            f"raw site {site!r} must look like raw.<module path>.input or .output"
-        )
-    return match.group(1), match.group(2)
+    parsed = parse_site(site)
+    if parsed.kind != "raw":
+        raise UnknownSiteError(f"{site!r} is not a raw site (raw.<module path>.input|output)")
+    return parsed.module, parsed.value
 
 
 def install_raw_hooks(model: nn.Module, sites: list[str], callback: RawCallback) -> list[Any]:

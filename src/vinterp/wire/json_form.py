@@ -7,53 +7,51 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 from typing import Any
 
 import torch
 
-from vinterp.ir.wire import DTYPES, WireError
+from vinterp.wire.errors import WireError, short
+from vinterp.wire.tensors import (
+    DTYPES,
+    byte_size,
+    check_shape,
+    tensor_from_wire,
+    tensor_to_wire,
+)
 
 JSON_DTYPES = ("float32", "float16", "bfloat16")
 MAX_TENSOR_BYTES = 64 << 20  # one steering vector or captured site is far smaller
+MAX_DEPTH = 64  # of nested lists and dicts: no real payload comes near it
 
 
 def tensor_to_json(t: torch.Tensor, dtypes: tuple[str, ...] = JSON_DTYPES) -> dict[str, Any]:
     """A tensor in one of `dtypes` (others become float32)."""
-    t = t.detach().to("cpu").contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in dtypes:
-        t, dtype = t.float(), "float32"
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(t.shape)}
+    if str(t.dtype).removeprefix("torch.") not in dtypes:
+        t = t.float()
+    wire = tensor_to_wire(t)
+    return {**wire, "data": base64.b64encode(wire["data"]).decode("ascii")}
 
 
 def tensor_from_json(
     obj: Any, what: str = "tensor", dtypes: tuple[str, ...] = JSON_DTYPES
 ) -> torch.Tensor:
+    """Inverse of `tensor_to_json`, for data from anyone: raises only WireError."""
     if not isinstance(obj, dict) or set(obj) != {"data", "dtype", "shape"}:
         raise WireError(f"{what}: a tensor is {{data (base64), dtype, shape}}")
-    dtype, shape = obj["dtype"], obj["shape"]
+    dtype = obj["dtype"]
     if not isinstance(dtype, str) or dtype not in dtypes:
-        raise WireError(f"{what}: dtype {dtype!r:.40} not allowed; use one of {dtypes}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise WireError(f"{what}: bad shape {shape!r:.80}")
-    size = math.prod(shape) * DTYPES[dtype].itemsize
-    if size > MAX_TENSOR_BYTES:
-        raise WireError(f"{what}: {size} bytes; the limit is {MAX_TENSOR_BYTES}")
+        raise WireError(f"{what}: dtype {short(dtype)} not allowed; use one of {dtypes}")
+    shape = check_shape(obj["shape"], what)
+    if byte_size(dtype, shape) > MAX_TENSOR_BYTES:
+        raise WireError(f"{what}: {byte_size(dtype, shape)} bytes; the limit is {MAX_TENSOR_BYTES}")
     if not isinstance(obj["data"], str):
         raise WireError(f"{what}: data must be a base64 string")
     try:
         data = base64.b64decode(obj["data"], validate=True)
     except (binascii.Error, ValueError):
         raise WireError(f"{what}: data is not valid base64") from None
-    if len(data) != size:
-        raise WireError(f"{what}: {len(data)} bytes of data for shape {shape} and {dtype}")
-    if not data:
-        return torch.empty(shape, dtype=DTYPES[dtype])
-    return torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).reshape(shape).clone()
+    return tensor_from_wire({"dtype": dtype, "shape": shape, "data": data}, what)
 
 
 def captures_to_json(captures: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -78,13 +76,16 @@ def saved_to_json(value: Any) -> Any:
     return value
 
 
-def saved_from_json(obj: Any, what: str = "saved") -> Any:
+def saved_from_json(obj: Any, what: str = "saved", depth: int = 0) -> Any:
+    """Inverse of `saved_to_json`: raises only WireError."""
+    if depth > MAX_DEPTH:
+        raise WireError(f"{what}: nested more than {MAX_DEPTH} deep")
     if isinstance(obj, dict):
         if set(obj) != {"tensor"}:
             raise WireError(f"{what}: expected {{tensor: ...}}")
         return tensor_from_json(obj["tensor"], what, tuple(DTYPES))
     if isinstance(obj, list):
-        return [saved_from_json(v, what) for v in obj]
+        return [saved_from_json(v, what, depth + 1) for v in obj]
     return obj
 
 
@@ -103,8 +104,8 @@ def payload_to_json(payload: Any) -> Any:
 def payload_from_json(obj: Any, depth: int = 0) -> Any:
     """Inverse of `payload_to_json`, for data from anyone: raises only WireError (the
     structure itself is checked by the wire decoder that reads the result)."""
-    if depth > 64:
-        raise WireError("payload nested too deeply")
+    if depth > MAX_DEPTH:
+        raise WireError(f"payload nested more than {MAX_DEPTH} deep")
     if isinstance(obj, dict):
         if set(obj) == {"__b64__"}:
             if not isinstance(obj["__b64__"], str):

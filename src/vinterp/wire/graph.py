@@ -1,70 +1,27 @@
 """The wire format of a graph: data only, validated on the way in.
 
 Used unchanged in-process and by the server: op names must be on the whitelist (ir.ops),
-sites must exist, references must point backwards, tensors are raw little-endian bytes with
-a dtype and shape. Nothing is unpickled and nothing from the client is executed.
+sites and parameters must exist, references must point backwards, tensors are raw
+little-endian bytes with a dtype and shape (wire.tensors). Nothing is unpickled and nothing
+from the client is executed.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
-
-import torch
 
 from vinterp.ir.graph import NODE_KINDS, STEP_ZERO, Block, Graph, Invoke, Node
 from vinterp.ir.ops import ALL_OPS
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.params import parse_param
+from vinterp.wire.errors import WireError, short
+from vinterp.wire.tensors import DTYPES, is_int, tensor_from_wire, tensor_to_wire
 
 WIRE_VERSION = 1
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+KEYS = ("version", "nodes", "tensors", "blocks", "invokes", "saves")
 _ARG_KEYS = ({"ref"}, {"slice"}, {"ellipsis"}, {"dtype"}, {"list", "items"}, {"tuple", "items"})
 MAX_NODES = 1_000_000
-
-
-class WireError(ValueError):
-    """A serialized graph that is malformed or asks for something not allowed."""
-
-
-def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
-    t = t.detach().to("cpu").contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise WireError(f"tensor dtype {dtype} cannot travel; use one of {sorted(DTYPES)}")
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": dtype, "shape": list(t.shape), "data": data}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def tensor_from_wire(obj: Any) -> torch.Tensor:
-    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-        raise WireError("a tensor is {dtype, shape, data}")
-    dtype = DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None
-    if dtype is None:
-        raise WireError(
-            f"tensor dtype {obj['dtype']!r:.40} not allowed; use one of {sorted(DTYPES)}"
-        )
-    shape = obj["shape"]
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise WireError(f"bad tensor shape {shape!r:.80}")
-    data = obj["data"]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if not isinstance(data, (bytes, bytearray)) or len(data) != math.prod(shape) * itemsize:
-        raise WireError(f"tensor data has the wrong length for shape {shape} and {obj['dtype']}")
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+MAX_ARG_DEPTH = 16
 
 
 def to_wire(graph: Graph) -> dict[str, Any]:
@@ -81,8 +38,8 @@ def to_wire(graph: Graph) -> dict[str, Any]:
 
 
 def _check_arg(value: Any, node_id: int, depth: int = 0) -> None:
-    if depth > 16:
-        raise WireError(f"node {node_id}: arguments nested too deeply")
+    if depth > MAX_ARG_DEPTH:
+        raise WireError(f"node {node_id}: arguments nested more than {MAX_ARG_DEPTH} deep")
     if value is None or isinstance(value, (bool, int, float, str)):
         return
     if isinstance(value, list):
@@ -90,18 +47,21 @@ def _check_arg(value: Any, node_id: int, depth: int = 0) -> None:
             _check_arg(v, node_id, depth + 1)
         return
     if not isinstance(value, dict) or set(value) not in _ARG_KEYS:
-        raise WireError(f"node {node_id}: argument {value!r:.80} is not a wire value")
+        raise WireError(f"node {node_id}: argument {short(value)} is not a wire value")
     if "ref" in value:
         r = value["ref"]
-        if not isinstance(r, int) or not 0 <= r < node_id:
-            raise WireError(f"node {node_id}: reference {r!r} must name an earlier node")
+        if not is_int(r) or not 0 <= r < node_id:
+            raise WireError(f"node {node_id}: reference {short(r)} must name an earlier node")
     elif "slice" in value:
         if not isinstance(value["slice"], list) or len(value["slice"]) != 3:
-            raise WireError(f"node {node_id}: a slice has three parts")
+            raise WireError(f"node {node_id}: a slice is [start, stop, step]")
         _check_arg(value["slice"], node_id, depth + 1)
     elif "dtype" in value:
-        if value["dtype"] not in DTYPES:
-            raise WireError(f"node {node_id}: dtype {value['dtype']!r} not allowed")
+        if not isinstance(value["dtype"], str) or value["dtype"] not in DTYPES:
+            raise WireError(
+                f"node {node_id}: dtype {short(value['dtype'])} not allowed; "
+                f"use one of {sorted(DTYPES)}"
+            )
     elif "items" in value:
         if not isinstance(value["items"], list):
             raise WireError(f"node {node_id}: items must be a list")
@@ -111,14 +71,14 @@ def _check_arg(value: Any, node_id: int, depth: int = 0) -> None:
 def _list(obj: dict[str, Any], key: str) -> list[Any]:
     value = obj.get(key, [])
     if not isinstance(value, list):
-        raise WireError(f"{key} must be a list")
+        raise WireError(f"{key} must be a list, not {type(value).__name__}")
     return value
 
 
 def _block(raw: Any, index: int) -> Block:
-    if not (isinstance(raw, list) and len(raw) == 2 and _is_int(raw[0]) and raw[0] >= 0):
+    if not (isinstance(raw, list) and len(raw) == 2 and is_int(raw[0]) and raw[0] >= 0):
         raise WireError(f"block {index}: a block is [start, stop] with start >= 0")
-    if not (raw[1] is None or (_is_int(raw[1]) and raw[1] > raw[0])):
+    if not (raw[1] is None or (is_int(raw[1]) and raw[1] > raw[0])):
         raise WireError(f"block {index}: stop must be None or after start")
     return Block(raw[0], raw[1])
 
@@ -133,13 +93,31 @@ def _invoke(raw: Any, index: int) -> Invoke:
     if not isinstance(raw, dict) or set(raw) != {"prompt", "sampling"}:
         raise WireError(f"invoke {index}: an invoke is {{prompt, sampling}}")
     prompt, sampling = raw["prompt"], raw["sampling"]
-    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and t >= 0 for t in prompt):
+    if not isinstance(prompt, list) or not prompt or not all(is_int(t) and t >= 0 for t in prompt):
         raise WireError(f"invoke {index}: the prompt must be a non-empty list of token ids")
     if not isinstance(sampling, dict) or not all(
         isinstance(k, str) and _scalar_or_list(v) for k, v in sampling.items()
     ):
         raise WireError(f"invoke {index}: sampling must map option names to plain values")
     return Invoke(list(prompt), dict(sampling))
+
+
+def _check_target(kind: str, target: str, args: list[Any], node_id: int, sites: SiteOrder) -> None:
+    """The site a read or write names, the op a call names and the parameter a
+    `model.param` call reads exist; a write has its value (and index)."""
+    try:
+        if kind in ("read", "write"):
+            sites[target]
+        elif kind == "call" and target == "model.param":
+            if len(args) != 1 or not isinstance(args[0], str):
+                raise WireError(f"node {node_id}: model.param takes one parameter name")
+            parse_param(args[0], sites.num_layers)
+    except UnknownSiteError as exc:
+        raise WireError(f"node {node_id}: {exc}") from None
+    if kind == "call" and target not in ALL_OPS:
+        raise WireError(f"node {node_id}: operation {short(target)} is not allowed")
+    if kind == "write" and len(args) not in (1, 2):
+        raise WireError(f"node {node_id}: a write's args are [value] or [value, index]")
 
 
 def _node(raw: Any, node_id: int, graph: Graph, sites: SiteOrder) -> Node:
@@ -149,49 +127,50 @@ def _node(raw: Any, node_id: int, graph: Graph, sites: SiteOrder) -> Node:
         )
     kind, target, args, kwargs, invoke, block, line = raw
     if not isinstance(kind, str) or kind not in NODE_KINDS:
-        raise WireError(f"node {node_id}: unknown kind {kind!r:.40}")
+        raise WireError(f"node {node_id}: unknown kind {short(kind)}; kinds are {NODE_KINDS}")
     if not isinstance(target, str):
         raise WireError(f"node {node_id}: the target must be a string")
-    if kind in ("read", "write"):
-        sites[target]  # raises UnknownSiteError with a helpful message
-    elif kind == "call" and target not in ALL_OPS:
-        raise WireError(f"node {node_id}: operation {target!r:.60} is not allowed")
     if not isinstance(args, list):
         raise WireError(f"node {node_id}: args must be a list")
+    _check_target(kind, target, args, node_id, sites)
     if kind == "const" and not (
-        len(args) == 1 and _is_int(args[0]) and 0 <= args[0] < len(graph.tensors)
+        len(args) == 1 and is_int(args[0]) and 0 <= args[0] < len(graph.tensors)
     ):
         raise WireError(f"node {node_id}: const must name one of the graph's tensors")
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise WireError(f"node {node_id}: kwargs must map names to values")
     _check_arg(args, node_id)
     _check_arg(list(kwargs.values()), node_id)
-    if not (_is_int(block) and (block == STEP_ZERO or 0 <= block < len(graph.blocks))):
-        raise WireError(f"node {node_id}: unknown iteration block {block!r:.40}")
-    if not (_is_int(invoke) and -1 <= invoke < len(graph.invokes)):
-        raise WireError(f"node {node_id}: unknown invoke {invoke!r:.40}")
+    if not (is_int(block) and (block == STEP_ZERO or 0 <= block < len(graph.blocks))):
+        raise WireError(f"node {node_id}: unknown iteration block {short(block)}")
+    if not (is_int(invoke) and -1 <= invoke < len(graph.invokes)):
+        raise WireError(f"node {node_id}: unknown invoke {short(invoke)}")
     if not isinstance(line, str):
         raise WireError(f"node {node_id}: line must be a string")
     return Node(kind, target, list(args), dict(kwargs), invoke, block, line)
 
 
 def from_wire(obj: Any, sites: SiteOrder) -> Graph:
-    """Rebuild and validate a graph; raises WireError (or UnknownSiteError for a site name)
-    naming the first problem, and nothing else, whatever the input."""
-    if not isinstance(obj, dict) or obj.get("version") != WIRE_VERSION:
+    """Rebuild and validate a graph; raises WireError naming the first problem, and nothing
+    else, whatever the input."""
+    version = obj.get("version") if isinstance(obj, dict) else None
+    if not is_int(version) or version != WIRE_VERSION:
         raise WireError(f"not a vinterp graph of wire version {WIRE_VERSION}")
+    unknown = set(obj) - set(KEYS)
+    if unknown:
+        raise WireError(f"unknown graph fields {short(sorted(map(str, unknown)))}; fields: {KEYS}")
     nodes = _list(obj, "nodes")
     if len(nodes) > MAX_NODES:
         raise WireError(f"graph has {len(nodes)} nodes; the limit is {MAX_NODES}")
     graph = Graph(
-        tensors=[tensor_from_wire(t) for t in _list(obj, "tensors")],
+        tensors=[tensor_from_wire(t, f"tensor {i}") for i, t in enumerate(_list(obj, "tensors"))],
         blocks=[_block(b, i) for i, b in enumerate(_list(obj, "blocks"))],
         invokes=[_invoke(v, i) for i, v in enumerate(_list(obj, "invokes"))],
     )
     for node_id, raw in enumerate(nodes):
         graph.nodes.append(_node(raw, node_id, graph, sites))
     for s in _list(obj, "saves"):
-        if not _is_int(s) or not 0 <= s < len(graph.nodes):
-            raise WireError(f"save of unknown node {s!r:.40}")
+        if not is_int(s) or not 0 <= s < len(graph.nodes):
+            raise WireError(f"save of unknown node {short(s)}")
         graph.saves.append(s)
     return graph

@@ -1,0 +1,98 @@
+"""`vinterp.AsyncLLM`: `vinterp.LLM` on vLLM's async engine (API.md section 6).
+
+Many traces and generations in flight at once from one process: each `async with
+llm.trace(...)` records in its own task and runs when its block ends, every invoke of a
+round submitted together; `await llm.generate(...)` and `async for out in llm.stream(...)`
+share the engine's batches with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from vinterp.api.fast import capture_ids, deliver, deliver_all, prepare
+from vinterp.api.front_end import Prompt
+from vinterp.api.llm import LocalModel
+from vinterp.api.specs import Capture, Request, Steering
+from vinterp.api.steering_control import AsyncSteeringControl
+from vinterp.engine.outputs import Output
+
+
+class AsyncLLM(LocalModel):
+    """As `vinterp.LLM` (same constructor), with traces in `async with`, `await generate`,
+    `async for ... in stream`, and `await llm.steering.set(...)`. vLLM backend only: the
+    transformers reference is `vinterp.LLM(..., backend="hf")`."""
+
+    asynchronous = True
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        backend: Literal["vllm"] = "vllm",
+        sites: dict[str, str] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if backend != "vllm":
+            raise ValueError(
+                "AsyncLLM runs on vLLM's async engine (backend='vllm'); the transformers "
+                "reference is vinterp.LLM(model, backend='hf')"
+            )
+        from vinterp.engine.async_vllm_engine import AsyncVLLMEngine
+
+        model, dtype = self._load(model, backend, pipeline_parallel_size, sites, engine_kwargs)
+        self._engine = AsyncVLLMEngine(
+            model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
+        )
+        self._init_front_end()
+        self.steering = AsyncSteeringControl(self)
+
+    async def generate(
+        self,
+        prompts: Prompt | Request | list[Prompt | Request],
+        steering: Steering | str | list[Steering | str] | None = None,
+        capture: Capture | None = None,
+        use_tqdm: bool = False,
+        **sampling: Any,
+    ) -> list[Output]:
+        """As `LLM.generate`, awaited; every prompt in flight at once. No progress bar unless
+        `use_tqdm=True` (many generations at once would draw over each other)."""
+        requests = prepare(self, prompts, steering, capture, sampling)
+        outputs = await self._engine.generate(
+            [r.prompt for r in requests],
+            [r.sampling for r in requests],
+            [r.extra_args() for r in requests],
+            use_tqdm=use_tqdm,
+        )
+        ids = capture_ids(requests)
+        if ids:
+            rows = await self._engine.take_captures(ids)
+            deliver_all(requests, outputs, rows, str(self.model_path))
+        return outputs
+
+    async def stream(
+        self,
+        prompt: Prompt | Request,
+        steering: Steering | str | list[Steering | str] | None = None,
+        capture: Capture | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Output]:
+        """One prompt's output as it grows (token ids and text so far); the last one is the
+        final output and carries the captures. Leaving the loop early aborts the request."""
+        requests = prepare(self, prompt, steering, capture, sampling)
+        if len(requests) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(requests)}; use generate")
+        (req,) = requests
+        stream = self._engine.stream(req.prompt, req.sampling, req.extra_args())
+        async for out, finished in stream:
+            if finished and req.capture is not None:
+                rows = await self._engine.take_captures([req.capture_id])
+                deliver(req, out, rows.get(req.capture_id, {}), 0, str(self.model_path))
+            yield out
+
+    async def step_stats(self) -> dict[str, int]:
+        """Forward steps run so far and how many ran uncompiled (see `LLM.step_stats`)."""
+        return await self._engine.step_stats()

@@ -1,0 +1,232 @@
+"""The async vLLM backend: vLLM's `AsyncLLM` for `vinterp.AsyncLLM`, and the trace runner it
+shares with the server's trace route."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+from vinterp.engine.outputs import Output
+from vinterp.engine.vllm_engine import (
+    collected_result,
+    engine_arguments,
+    fast_params,
+    invoke_params,
+    merge_captures,
+    to_output,
+    vllm_prompt,
+)
+from vinterp.ir.graph import Graph
+from vinterp.ir.plan import Plan, PlanError
+from vinterp.runtime.executor import TraceResult
+from vinterp.wire.graph import to_wire
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+async def final_output(engine: Any, prompt: dict[str, Any], params: Any) -> Output:
+    """One request on vLLM's async engine, to its final output."""
+    final = None
+    async for out in engine.generate(prompt, params, f"vinterp-{uuid.uuid4().hex}"):
+        final = out
+    assert final is not None, "vLLM's generate ended without an output"
+    return to_output(final)
+
+
+async def run_trace(
+    engine: Any, wire: dict[str, Any], graph: Graph, plan: Plan, use_tqdm: bool = False
+) -> tuple[list[Output], list[Any]]:
+    """A trace on vLLM's async engine (`engine`: its `AsyncLLM`): the graph sent to the workers
+    once, every invoke of a round in flight at once, rounds in order, the saves collected
+    even when a round fails. Returns the outputs and every worker's report."""
+    trace_id = uuid.uuid4().hex
+    errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
+    if any(errors):
+        await engine.collective_rpc("vinterp_forget", args=(trace_id,))
+        raise PlanError(next(e for e in errors if e))
+    salted = bool(engine.vllm_config.cache_config.enable_prefix_caching)
+    bar = tqdm(total=len(graph.invokes), desc="trace", disable=not use_tqdm)
+
+    async def complete(k: int) -> Output:
+        prompt = vllm_prompt(graph.invokes[k].prompt, salted)
+        out = await final_output(engine, prompt, invoke_params(graph, k, trace_id))
+        bar.update()
+        return out
+
+    outputs: list[Any] = [None] * len(graph.invokes)
+    try:
+        for round_ in plan.rounds:
+            for k, out in zip(round_, await asyncio.gather(*(complete(k) for k in round_))):
+                outputs[k] = out
+    finally:
+        bar.close()
+        per_worker = await engine.collective_rpc("vinterp_collect", args=(trace_id,))
+    return outputs, per_worker
+
+
+class AsyncVLLMEngine:
+    """Owns one vLLM `AsyncLLM`, on a private event loop in its own thread.
+
+    vLLM's engine client binds its output handler to the loop it first ran on; keeping it on
+    a loop of its own lets callers on any loop (several `asyncio.run` calls, a notebook's
+    loop, threads) share one engine. Every call hops onto that loop and back; cancelling the
+    caller cancels the request there (vLLM then aborts it)."""
+
+    def __init__(
+        self,
+        model: Path | str,
+        dtype: str,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        site_paths: dict[str, str] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        arguments = engine_arguments(
+            model, dtype, tensor_parallel_size, pipeline_parallel_size, site_paths, engine_kwargs
+        )
+        arguments.setdefault("disable_log_stats", True)  # as vllm.LLM: no periodic stats lines
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vinterp-async-engine", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        try:
+            self.engine = asyncio.run_coroutine_threadsafe(_start(arguments), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._prefix_caching = bool(self.engine.vllm_config.cache_config.enable_prefix_caching)
+        self._global_steering = False
+        atexit.register(self.shutdown)
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this AsyncLLM was shut down")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _prompt(self, ids: list[int], intervened: bool) -> dict[str, Any]:
+        return vllm_prompt(ids, (intervened or self._global_steering) and self._prefix_caching)
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[dict[str, Any]],
+        fast: list[dict[str, Any] | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[Output]:
+        """Every prompt in flight at once (vLLM batches them); outputs in prompt order."""
+        fast = fast or [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+
+        async def one(ids: list[int], s: dict[str, Any], f: dict[str, Any] | None) -> Output:
+            prompt = self._prompt(ids, f is not None)
+            out = await final_output(self.engine, prompt, fast_params(s, f))
+            bar.update()
+            return out
+
+        async def every() -> list[Output]:
+            return list(await asyncio.gather(*(one(*a) for a in zip(prompts, sampling, fast))))
+
+        try:
+            return await self._on_loop(every())
+        finally:
+            bar.close()
+
+    async def stream(
+        self, prompt: list[int], sampling: dict[str, Any], fast: dict[str, Any] | None
+    ) -> AsyncIterator[tuple[Output, bool]]:
+        """(partial output, finished) as vLLM makes them; leaving early aborts the request."""
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def send(kind: str, value: Any) -> None:
+            caller.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        async def pump() -> None:
+            try:
+                params = fast_params(sampling, fast)
+                request_id = f"vinterp-{uuid.uuid4().hex}"
+                async for out in self.engine.generate(
+                    self._prompt(prompt, fast is not None), params, request_id
+                ):
+                    send("output", (to_output(out), bool(out.finished)))
+            except Exception as exc:  # handed to the consumer, which raises it
+                send("error", exc)
+            finally:
+                send("end", None)
+
+        if self._closed:
+            raise RuntimeError("this AsyncLLM was shut down")
+        running = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            running.cancel()
+
+    async def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+        rpc = self.engine.collective_rpc("vinterp_take_captures", args=(capture_ids,))
+        return merge_captures(await self._on_loop(rpc))
+
+    async def step_stats(self) -> dict[str, int]:
+        return (await self._on_loop(self.engine.collective_rpc("vinterp_step_stats")))[0]
+
+    async def set_global_steering(self, specs: list[Any]) -> None:
+        wires = [s.to_wire() for s in specs]
+        await self._on_loop(self.engine.collective_rpc("vinterp_set_steering", args=(wires,)))
+        self._global_steering = bool(specs)
+
+    async def register_steering(self, name: str, spec: Any | None) -> None:
+        wire = None if spec is None else spec.to_wire()
+        rpc = self.engine.collective_rpc("vinterp_register_steering", args=(name, wire))
+        await self._on_loop(rpc)
+
+    async def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
+        outputs, per_worker = await self._on_loop(
+            run_trace(self.engine, to_wire(graph), graph, plan, use_tqdm)
+        )
+        return collected_result(outputs, per_worker)
+
+    def shutdown(self) -> None:
+        """Stop the engine core, its workers and the loop; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        try:
+            asyncio.run_coroutine_threadsafe(_shutdown(self.engine), self._loop).result(120)
+        except Exception:  # already torn down by vLLM's own finalizers
+            log.debug("vLLM async engine shutdown raised", exc_info=True)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
+async def _start(arguments: dict[str, Any]) -> Any:
+    """vLLM's AsyncLLM, built on the engine's own loop (its output handler starts there)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments))
+
+
+async def _shutdown(engine: Any) -> None:
+    engine.shutdown()

@@ -1,0 +1,104 @@
+"""The site-name grammar (sites.names.parse_site) and what it decides: the forward order's
+errors, which sites a Steering or a Capture accepts, where the HF reference reads a site."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import vinterp
+from vinterp.sites.names import SiteName, SiteOrder, UnknownSiteError, all_sites, parse_site
+from vinterp.sites.raw import parse_raw
+
+# The grammar as written before parse_site (an independent reference, not the code under
+# test): the sets of steerable and capturable names must not change.
+OLD_STEERABLE = re.compile(r"^layers\.(\d+)\.(input|output|attn\.output|mlp\.output)$")
+OLD_CAPTURABLE = re.compile(
+    r"^(embed\.output|final_norm\.output|"
+    r"layers\.(\d+|\*)\.(input|output|attn\.input|attn\.output|mlp\.input|mlp\.output))$"
+)
+NAMES = [
+    *all_sites(12),
+    *(f"layers.*.{part}" for part in ("input", "attn.output", "mlp.input", "output")),
+    *("layers.1*.output", "layers.*.*", "layers.1", "layers.x.output", "layers.1.resid"),
+    *("embed.input", "final_norm.input", "lm_head.output", "logits.output", "embed", ""),
+    *("raw.model.norm.output", "raw.model.layers.0.mlp.input", "raw.x", "raw."),
+]
+# Names the old regexes accepted that are no site (SiteOrder writes no leading zeros, `$`
+# let a trailing newline through, `\d` any Unicode digit): a steering on them passed the
+# checks and then failed in the engine's worker. They are refused now.
+NOT_SITES = ["layers.01.output", "layers.1.output\n", "layers.\u0661.output", "layers.00.input"]
+
+
+@pytest.mark.parametrize(
+    "name, parsed",
+    [
+        ("layers.3.attn.output", SiteName("layer", "attn", "output", 3)),
+        ("layers.0.input", SiteName("layer", "", "input", 0)),
+        ("embed.output", SiteName("model", "embed", "output")),
+        ("logits", SiteName("model", "", "logits")),
+        ("raw.model.layers.0.mlp.input", SiteName("raw", "model.layers.0.mlp", "input")),
+    ],
+)
+def test_parse_site_gives_the_parts(name, parsed) -> None:
+    assert parse_site(name) == parsed
+    if parsed.kind == "layer":
+        assert f"layers.{parsed.layer}.{parsed.part}" == name
+
+
+def test_patterns_only_where_asked() -> None:
+    assert parse_site("layers.*.mlp.output", pattern=True) == SiteName("layer", "mlp", "output")
+    with pytest.raises(UnknownSiteError, match="unknown site 'layers.\\*.output'; sites are"):
+        parse_site("layers.*.output")
+
+
+def test_steerable_and_capturable_sites_are_unchanged() -> None:
+    for name in NAMES:
+        assert _steerable(name) == bool(OLD_STEERABLE.match(name)), name
+        assert _capturable(name) == bool(OLD_CAPTURABLE.match(name)), name
+    for name in NOT_SITES:
+        assert not _steerable(name) and not _capturable(name), name
+        with pytest.raises(UnknownSiteError, match="unknown site"):
+            SiteOrder(4)[name]
+
+
+def _steerable(name: str) -> bool:
+    try:
+        vinterp.Steering({name: torch.ones(2)})
+    except ValueError as exc:
+        assert "cannot be steered; use layers.{i}.input|output" in str(exc)
+        return False
+    return True
+
+
+def _capturable(name: str) -> bool:
+    try:
+        vinterp.Capture([name])
+    except ValueError as exc:
+        assert "cannot be captured; use embed.output, final_norm.output" in str(exc)
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("layers.9.output", "site 'layers.9.output': layer index 9 is out of range; this model"),
+        ("layers.1.resid", "unknown site 'layers.1.resid'; sites are embed.output, layers.{i}"),
+        ("raw.x", "raw site 'raw.x' must look like raw.<module path>.input or .output"),
+        ("layers.01.output", "unknown site 'layers.01.output'; sites are"),
+    ],
+)
+def test_unknown_sites_say_what_is_right(name, message) -> None:
+    with pytest.raises(UnknownSiteError) as info:
+        SiteOrder(4)[name]
+    assert str(info.value).startswith(message)
+
+
+def test_raw_sites_have_a_module_path() -> None:
+    assert SiteOrder(4)["raw.model.norm.output"] > SiteOrder(4)["samples"]
+    assert parse_raw("raw.model.norm.output") == ("model.norm", "output")
+    with pytest.raises(UnknownSiteError, match="not a raw site"):
+        parse_raw("layers.0.output")
