@@ -15,9 +15,9 @@ while kill -0 $pid 2>/dev/null; do
   [ "$size" != "$last" ] && { last=$size; quiet_since=$now; }
   if [ $((now - quiet_since)) -ge 60 ]; then
     echo "=== watch: silent 60 s at +$((now - start)) s; stacks of the group's Python processes" >> "$log"
-    for p in $(pgrep -g $pid); do
-      c=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)
-      case "$c" in *python*|*VLLM*) echo "=== pid $p: ${c:0:150}" >> "$log"; kill -USR1 $p;; esac
+    for p in $(pgrep -g $pid); do  # Python processes only: SIGUSR1 kills others (ptxas)
+      exe=$(readlink /proc/$p/exe 2>/dev/null); c=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)
+      case "${exe##*/}" in python*) echo "=== pid $p: ${c:0:150}" >> "$log"; kill -USR1 $p;; esac
     done
     quiet_since=$now
   fi
