@@ -145,6 +145,7 @@ def test_named_and_global_steering(allm) -> None:
 
 
 def test_sync_and_async_traces_are_not_mixed_up(allm, hf) -> None:
+    assert type(allm.engine).__name__ == "AsyncLLM"  # llm.engine: vLLM's own engine object
     with pytest.raises(TypeError, match="async with"):
         with allm.trace(PROMPTS[0]):
             pass

@@ -54,7 +54,8 @@ class LocalModel(TraceFrontEnd):
 
     @property
     def engine(self) -> Any:
-        """The underlying `vllm.LLM` (or transformers model with backend='hf')."""
+        """The underlying `vllm.LLM` (vLLM's `AsyncLLM` for vinterp.AsyncLLM; the transformers
+        model with backend="hf")."""
         return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
 
     def _encode(self, text: str) -> list[int]:

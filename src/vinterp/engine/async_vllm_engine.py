@@ -101,11 +101,11 @@ class AsyncVLLMEngine:
         self._thread.start()
         self._closed = False
         try:
-            self.engine = asyncio.run_coroutine_threadsafe(_start(arguments), self._loop).result()
+            self.llm = asyncio.run_coroutine_threadsafe(_start(arguments), self._loop).result()
         except BaseException:
             self._stop_loop()
             raise
-        self._prefix_caching = bool(self.engine.vllm_config.cache_config.enable_prefix_caching)
+        self._prefix_caching = bool(self.llm.vllm_config.cache_config.enable_prefix_caching)
         self._global_steering = False
         atexit.register(self.shutdown)
 
@@ -131,7 +131,7 @@ class AsyncVLLMEngine:
 
         async def one(ids: list[int], s: dict[str, Any], f: dict[str, Any] | None) -> Output:
             prompt = self._prompt(ids, f is not None)
-            out = await final_output(self.engine, prompt, fast_params(s, f))
+            out = await final_output(self.llm, prompt, fast_params(s, f))
             bar.update()
             return out
 
@@ -157,7 +157,7 @@ class AsyncVLLMEngine:
             try:
                 params = fast_params(sampling, fast)
                 request_id = f"vinterp-{uuid.uuid4().hex}"
-                async for out in self.engine.generate(
+                async for out in self.llm.generate(
                     self._prompt(prompt, fast is not None), params, request_id
                 ):
                     send("output", (to_output(out), bool(out.finished)))
@@ -181,25 +181,25 @@ class AsyncVLLMEngine:
             running.cancel()
 
     async def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
-        rpc = self.engine.collective_rpc("vinterp_take_captures", args=(capture_ids,))
+        rpc = self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,))
         return merge_captures(await self._on_loop(rpc))
 
     async def step_stats(self) -> dict[str, int]:
-        return (await self._on_loop(self.engine.collective_rpc("vinterp_step_stats")))[0]
+        return (await self._on_loop(self.llm.collective_rpc("vinterp_step_stats")))[0]
 
     async def set_global_steering(self, specs: list[Any]) -> None:
         wires = [s.to_wire() for s in specs]
-        await self._on_loop(self.engine.collective_rpc("vinterp_set_steering", args=(wires,)))
+        await self._on_loop(self.llm.collective_rpc("vinterp_set_steering", args=(wires,)))
         self._global_steering = bool(specs)
 
     async def register_steering(self, name: str, spec: Any | None) -> None:
         wire = None if spec is None else spec.to_wire()
-        rpc = self.engine.collective_rpc("vinterp_register_steering", args=(name, wire))
+        rpc = self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
         await self._on_loop(rpc)
 
     async def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         outputs, per_worker = await self._on_loop(
-            run_trace(self.engine, to_wire(graph), graph, plan, use_tqdm)
+            run_trace(self.llm, to_wire(graph), graph, plan, use_tqdm)
         )
         return collected_result(outputs, per_worker)
 
@@ -210,7 +210,7 @@ class AsyncVLLMEngine:
         self._closed = True
         atexit.unregister(self.shutdown)
         try:
-            asyncio.run_coroutine_threadsafe(_shutdown(self.engine), self._loop).result(120)
+            asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self._loop).result(120)
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM async engine shutdown raised", exc_info=True)
         self._stop_loop()
