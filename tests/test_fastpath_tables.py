@@ -168,10 +168,14 @@ def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
     v = torch.randn(H, generator=torch.Generator().manual_seed(1))
     nudged = v.clone()
     nudged[2] += 1e-3
-    assert SteerSpec.from_wire(wire(v)) is SteerSpec.from_wire(wire(v.clone()))
-    assert SteerSpec.from_wire(wire(v)) is not SteerSpec.from_wire(wire(nudged))
-    assert SteerSpec.from_wire(wire(v)) is not SteerSpec.from_wire(wire(v, scale=3.0))
+
+    def decoded(wire: dict) -> SteerSpec:
+        return SteerSpec.from_wire(wire, ORDER, H)
+
+    assert decoded(wire(v)) is decoded(wire(v.clone()))
+    assert decoded(wire(v)) is not decoded(wire(nudged))
+    assert decoded(wire(v)) is not decoded(wire(v, scale=3.0))
     state = SteeringState(buffers(), ORDER)
-    same = [request(r, range(4, 5), 2, [SteerSpec.from_wire(wire(v))]) for r in "abc"]
+    same = [request(r, range(4, 5), 2, [decoded(wire(v))]) for r in "abc"]
     state.plan(same)
     assert state.plan_ is not None and len(state.plan_.key) == 2  # none, and the one spec

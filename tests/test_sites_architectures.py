@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import vinterp
-from vinterp.api.fast_trace import site_point
 from vinterp.sites.modules import SUPPORTED
-from vinterp.sites.names import all_sites
+from vinterp.sites.names import all_sites, parse_site
 from vinterp.sites.params import PROJECTIONS, param_shape
 
 PROMPT = "The capital of France is"
+
+
+def site_point(llm: vinterp.LLM, site: str) -> tuple[Any, str]:
+    """(object, attribute) whose attribute is the named standardized site."""
+    parsed = parse_site(site)
+    point: Any = llm if parsed.layer is None else llm.layers[parsed.layer]
+    if parsed.module:
+        point = getattr(point, parsed.module)
+    return point, parsed.value
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

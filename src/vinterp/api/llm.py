@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vinterp.api.fast import capture_ids, deliver_all, prepare
-from vinterp.api.fast_trace import generate_with_trace
 from vinterp.api.front_end import Prompt, TraceFrontEnd
 from vinterp.api.specs import Capture, Request, Steering
 from vinterp.api.steering_control import SteeringControl
@@ -121,8 +120,6 @@ class LLM(LocalModel):
         the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
         requests = prepare(self, prompts, steering, capture, sampling)
         fast = any(r.extra_args() for r in requests)
-        if self.backend == "hf" and (fast or self.steering.active):
-            return generate_with_trace(self, requests, use_tqdm)
         outputs = self._engine.generate(
             [r.prompt for r in requests],
             [r.sampling for r in requests],

@@ -12,10 +12,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from vinterp.sites.names import UnknownSiteError, parse_site
+from vinterp.sites.names import UnknownSiteError, is_steerable, parse_site
 from vinterp.wire.errors import WireError
 
-STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
 CAPTURABLE_OUTSIDE_LAYERS = ("embed.output", "final_norm.output")
 PositionSelector = Literal["last_prompt", "all_prompt", "all_generated", "all"]
 
@@ -41,7 +40,7 @@ class Steering(BaseModel):
             raise ValueError("vectors: give a dict {site: vector}, e.g. {'layers.10.output': v}")
         out = {}
         for site, vector in value.items():
-            if not isinstance(site, str) or not _is_steerable(site):
+            if not isinstance(site, str) or not is_steerable(site):
                 raise ValueError(
                     f"vectors: {site!r} cannot be steered; use layers.{{i}}.input|output, "
                     "layers.{i}.attn.output or layers.{i}.mlp.output"
@@ -164,14 +163,6 @@ class Request(BaseModel):
     @property
     def sampling(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
-
-
-def _is_steerable(site: str) -> bool:
-    try:
-        parsed = parse_site(site)
-    except UnknownSiteError:
-        return False
-    return parsed.kind == "layer" and parsed.part in STEERABLE
 
 
 def _is_capturable(site: str) -> bool:

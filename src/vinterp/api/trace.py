@@ -122,11 +122,6 @@ class Trace:
         (ids,) = self._llm._tokenize(prompt)
         self.graph.invokes.append(Invoke(ids, sampling_kwargs({**self._sampling, **sampling})))
         self._invoke = len(self.graph.invokes) - 1
-        if self._llm.backend == "hf":  # vLLM workers apply the global steering themselves
-            from vinterp.api.fast_trace import record_steering
-
-            for spec in self._llm.steering.active:
-                record_steering(self._llm, self, spec, len(ids))
 
     # -- recording --------------------------------------------------------------------------
     def _add(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from vinterp.engine.hf_interventions import HFInterventions, RequestInterventions
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
@@ -39,15 +40,19 @@ class HFEngine:
         self.stop_ids = self._eos_ids()
         self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
+        self.interventions = HFInterventions()
         install_hf_hooks(self.sites, self._at_site)
 
     def _at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
+        """As in vLLM's workers: steering, capture, then the trace (which sees both)."""
+        steered = self.interventions.at_site(site, value)
         if self._active is None:
-            return None
+            return steered
         run, invoke, step = self._active
         if not run.wants(invoke, site):
-            return None
-        return run.at_site(invoke, step, site, value)
+            return steered
+        traced = run.at_site(invoke, step, site, value if steered is None else steered)
+        return steered if traced is None else traced
 
     def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Run each invoke alone, rounds in dependency order (the reference semantics)."""
@@ -64,7 +69,8 @@ class HFEngine:
             for k in tqdm(order, desc="invokes", disable=not use_tqdm or len(order) < 2):
                 invoke = graph.invokes[k]
                 self._check_sampling(invoke.sampling)
-                outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, run, k)
+                request = self.interventions.request(None, len(invoke.prompt))
+                outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, request, run, k)
         finally:
             for handle in raw_hooks:
                 handle.remove()
@@ -80,23 +86,35 @@ class HFEngine:
         self,
         prompts: list[list[int]],
         sampling: list[dict[str, Any]],
-        fast: None = None,
+        fast: list[dict[str, Any] | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[Output]:
-        """Generate for token-id prompts, in order, with vLLM's stopping rules (`fast` specs
-        run as traces on this backend: api.fast_trace)."""
+        """Generate for token-id prompts, in order, with vLLM's stopping rules; `fast` is the
+        requests' steering/capture data in the workers' wire form."""
         for s in sampling:
             self._check_sampling(s)
-        pairs = tqdm(
-            list(zip(prompts, sampling)), desc="prompts", disable=not use_tqdm or len(prompts) < 2
-        )
-        return [self._generate_one(ids, s) for ids, s in pairs]
+        fast = fast or [None] * len(prompts)
+        requests = [self.interventions.request(f, len(ids)) for ids, f in zip(prompts, fast)]
+        items = list(zip(prompts, sampling, requests))
+        return [
+            self._generate_one(ids, s, request)
+            for ids, s, request in tqdm(
+                items, desc="prompts", disable=not use_tqdm or len(prompts) < 2
+            )
+        ]
+
+    def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Captured rows per capture id and site, as vLLM's workers give them."""
+        return self.interventions.take(capture_ids)
 
     def set_global_steering(self, specs: list[Any]) -> None:
-        """Nothing to send: on HF, steering is recorded into each trace (api.fast_trace)."""
+        self.interventions.global_steering = list(specs)
 
     def register_steering(self, name: str, spec: Any | None) -> None:
-        """Nothing to send: named steerings are resolved on the client."""
+        if spec is None:
+            self.interventions.named.pop(name, None)
+        else:
+            self.interventions.named[name] = spec
 
     @staticmethod
     def _check_sampling(sampling: dict[str, Any]) -> None:
@@ -112,6 +130,7 @@ class HFEngine:
         self,
         prompt: list[int],
         sampling: dict[str, Any],
+        request: RequestInterventions,
         run: TraceRun | None = None,
         invoke: int = 0,
     ) -> Output:
@@ -124,6 +143,8 @@ class HFEngine:
         step_input = torch.tensor([prompt])
         for step in range(int(sampling.get("max_tokens", 16))):
             self._active = None if run is None else (run, invoke, step)
+            request.first_position = 0 if step == 0 else len(prompt) + step - 1
+            self.interventions.current = request
             try:
                 out = self.model(input_ids=step_input, past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
@@ -138,6 +159,7 @@ class HFEngine:
                 self._at_site("samples", torch.tensor([token]))
             finally:
                 self._active = None
+                self.interventions.current = None
             tokens.append(token)
             if token in stop:
                 break

@@ -1,17 +1,23 @@
-"""Worker-side steering and capture specs decoded from a request's wire form."""
+"""Worker-side steering and capture specs decoded from a request's wire form.
+
+The wire form is built by vinterp's front ends from checked specs, but the decoders check it
+again (they raise only WireError): a worker must never take a malformed spec for a valid one.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from vinterp.sites.names import SiteOrder
-from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
+from vinterp.sites.names import SiteOrder, UnknownSiteError, is_steerable
+from vinterp.wire.errors import WireError, short
+from vinterp.wire.tensors import is_int, tensor_from_wire, tensor_to_wire
 
 FAST_KEY = "vinterp_fast"
 _SERIALS = itertools.count(1)
@@ -19,6 +25,29 @@ _SERIALS = itertools.count(1)
 # combination and one table row, not 256 (bounded: cleared when full).
 _BY_CONTENT: dict[tuple[Any, ...], SteerSpec] = {}
 _BY_CONTENT_MAX = 4096
+PHASES = ("all", "prefill", "decode")
+POSITION_SELECTORS = ("last_prompt", "all_prompt", "all_generated", "all")
+
+
+def _fields(obj: Any, what: str, names: set[str], optional: set[str] = frozenset()) -> None:
+    if not isinstance(obj, dict) or not names <= set(obj) <= names | optional:
+        raise WireError(f"{what}: expected a dict with fields {sorted(names)}, got {short(obj)}")
+
+
+def _finite_number(value: Any, what: str) -> float:
+    try:
+        number = float(value) if isinstance(value, (int, float)) else math.nan
+    except OverflowError:
+        number = math.inf
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise WireError(f"{what}: expected a finite number, got {short(value)}")
+    return number
+
+
+def _positions(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(is_int(p) and p >= 0 for p in value):
+        raise WireError(f"{what}: expected a list of token positions >= 0, got {short(value)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -31,13 +60,36 @@ class SteerSpec:
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     @classmethod
-    def from_wire(cls, obj: dict[str, Any]) -> SteerSpec:
+    def from_wire(cls, obj: Any, order: SiteOrder, hidden_size: int) -> SteerSpec:
+        _fields(obj, "steering", {"vectors", "scale", "phase", "positions", "norm_match"})
+        wires = obj["vectors"]
+        if not isinstance(wires, dict) or not wires:
+            raise WireError(f"steering.vectors: expected {{site: vector}}, got {short(wires)}")
+        vectors = {}
+        for site, wire in wires.items():
+            _check_steerable(site, order)
+            vector = vectors[site] = tensor_from_wire(wire)
+            if vector.shape != (hidden_size,) or not vector.is_floating_point():
+                raise WireError(
+                    f"steering.vectors[{site!r}]: expected a float vector of this model's "
+                    f"hidden size {hidden_size}, got {vector.dtype} {tuple(vector.shape)}"
+                )
+            if not torch.isfinite(vector).all():
+                raise WireError(f"steering.vectors[{site!r}]: contains inf or nan")
+        scale = _finite_number(obj["scale"], "steering.scale")
+        if obj["phase"] not in PHASES:
+            raise WireError(f"steering.phase: expected one of {PHASES}, got {short(obj['phase'])}")
+        if not isinstance(obj["norm_match"], bool):
+            raise WireError("steering.norm_match: expected true or false")
+        positions = obj["positions"]
         spec = cls(
-            vectors={s: tensor_from_wire(v) for s, v in obj["vectors"].items()},
-            scale=float(obj["scale"]),
-            phase=str(obj["phase"]),
-            positions=None if obj["positions"] is None else frozenset(obj["positions"]),
-            norm_match=bool(obj["norm_match"]),
+            vectors=vectors,
+            scale=scale,
+            phase=obj["phase"],
+            positions=None
+            if positions is None
+            else frozenset(_positions(positions, "steering.positions")),
+            norm_match=obj["norm_match"],
         )
         key = spec.content_key()
         if key not in _BY_CONTENT:
@@ -85,12 +137,20 @@ class CaptureSpec:
     positions: str | frozenset[int]
 
     @classmethod
-    def from_wire(cls, obj: dict[str, Any], order: SiteOrder) -> CaptureSpec:
-        sites = tuple(s for pattern in obj["sites"] for s in order.expand(pattern))
-        positions = obj["positions"]
-        return cls(
-            obj["id"], sites, frozenset(positions) if isinstance(positions, list) else positions
-        )
+    def from_wire(cls, obj: Any, order: SiteOrder) -> CaptureSpec:
+        _fields(obj, "capture", {"id", "sites", "positions"})
+        if not isinstance(obj["id"], str) or not obj["id"]:
+            raise WireError(f"capture.id: expected a non-empty string, got {short(obj['id'])}")
+        patterns, positions = obj["sites"], obj["positions"]
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise WireError(f"capture.sites: expected a list of site names, got {short(patterns)}")
+        try:
+            sites = tuple(s for pattern in patterns for s in order.expand(pattern))
+        except UnknownSiteError as exc:
+            raise WireError(f"capture.sites: {exc}") from None
+        if positions not in POSITION_SELECTORS:
+            positions = frozenset(_positions(positions, "capture.positions"))
+        return cls(obj["id"], sites, positions)
 
     def wants_any(self, first: int, end: int, prompt_len: int) -> bool:
         """Whether any position in first..end-1 is captured (decides how a step runs)."""
@@ -125,14 +185,28 @@ class RequestFast:
     capture: CaptureSpec | None
 
 
-def decode_request(extra: dict[str, Any], order: SiteOrder) -> RequestFast:
-    cached = extra.get("_decoded")
+def decode_request(extra: Any, order: SiteOrder, hidden_size: int) -> RequestFast:
+    """A request's fast-path data, decoded once (cached in the request's extra args)."""
+    cached = extra.get("_decoded") if isinstance(extra, dict) else None
     if cached is None:
+        _fields(extra, "vinterp_fast", {"steering", "steering_names"}, {"capture"})
+        steering, names = extra["steering"], extra["steering_names"]
+        if not isinstance(steering, list):
+            raise WireError(f"vinterp_fast.steering: expected a list, got {short(steering)}")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise WireError(f"vinterp_fast.steering_names: expected names, got {short(names)}")
         capture = extra.get("capture")
         cached = RequestFast(
-            [SteerSpec.from_wire(s) for s in extra.get("steering", [])],
-            list(extra.get("steering_names", [])),
+            [SteerSpec.from_wire(s, order, hidden_size) for s in steering],
+            list(names),
             None if capture is None else CaptureSpec.from_wire(capture, order),
         )
         extra["_decoded"] = cached
     return cached
+
+
+def _check_steerable(site: Any, order: SiteOrder) -> None:
+    if not isinstance(site, str) or not is_steerable(site):
+        raise WireError(f"steering.vectors: {short(site)} is not a steerable site")
+    if site not in order.position:
+        raise WireError(f"steering.vectors: {site!r} is out of this model's layer range")

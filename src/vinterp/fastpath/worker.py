@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 from vinterp.fastpath.capture_store import CaptureStore
-from vinterp.fastpath.specs import CaptureSpec, RequestFast, SteerSpec
+from vinterp.fastpath.specs import CaptureSpec, RequestFast, SteerSpec, decode_request
 from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
+from vinterp.sites.names import SiteOrder
 
 
 class FastPath:
-    def __init__(self, captures_here: bool) -> None:
+    def __init__(self, captures_here: bool, order: SiteOrder, hidden_size: int) -> None:
+        self.order, self.hidden_size = order, hidden_size
         self.captures_here = captures_here  # TP: one rank records, the others skip the copies
         self.global_steering: list[SteerSpec] = []
         self.named: dict[str, SteerSpec] = {}
@@ -26,15 +28,22 @@ class FastPath:
         self.version = 0  # changes with global or named steering: requests' specs are cached
 
     def set_global(self, wires: list[dict[str, Any]]) -> None:
-        self.global_steering = [SteerSpec.from_wire(w) for w in wires]
+        self.global_steering = [self._steer_spec(w) for w in wires]
         self.version += 1
 
     def register(self, name: str, wire: dict[str, Any] | None) -> None:
         if wire is None:
             self.named.pop(name, None)
         else:
-            self.named[name] = SteerSpec.from_wire(wire)
+            self.named[name] = self._steer_spec(wire)
         self.version += 1
+
+    def _steer_spec(self, wire: dict[str, Any]) -> SteerSpec:
+        return SteerSpec.from_wire(wire, self.order, self.hidden_size)
+
+    def decode(self, extra: dict[str, Any]) -> RequestFast:
+        """A request's steering and capture (checked; decoded once per request)."""
+        return decode_request(extra, self.order, self.hidden_size)
 
     def steering_for(self, fast: RequestFast | None) -> list[SteerSpec]:
         """Every spec that steers a request: global, then its named ones, then its own."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.specs import FAST_KEY, RequestFast, decode_request
+from vinterp.fastpath.specs import FAST_KEY, RequestFast
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan
@@ -99,7 +99,7 @@ class WorkerRuntime:
         self.stats = {"steps": 0, "uncompiled_steps": 0}
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
-        self.fast = FastPath(captures_here=ships_results)
+        self.fast = FastPath(ships_results, order, steer.add.shape[1])
         self.steering = SteeringState(steer, order)
         PYTHON.site = self.on_site
         PYTHON.stream = self.on_stream
@@ -197,7 +197,7 @@ class WorkerRuntime:
         payload = extra.get(FAST_KEY)
         if isinstance(payload, str):  # from `vinterp serve` (vLLM's server passes text only)
             payload = extra[FAST_KEY] = payload_from_text(payload)
-        fast = decode_request(payload, self.order) if payload else None
+        fast = self.fast.decode(payload) if payload else None
         traced = extra.get(EXTRA_ARGS_KEY)
         trace = (traced["trace"], int(traced["invoke"])) if traced else None
         prompt_len = len(new.prompt_token_ids or [])

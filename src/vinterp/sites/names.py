@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
+STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
 RAW_PREFIX = "raw."
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a
 # name that parses is one SiteOrder knows (or out of range).
@@ -73,6 +74,15 @@ def parse_site(name: str, pattern: bool = False) -> SiteName:
     if match["module"]:
         return SiteName("model", match["module"], "output")
     return SiteName("model", "", match["top"])
+
+
+def is_steerable(site: str) -> bool:
+    """Whether steering may add at this site (a part of the residual stream of a layer)."""
+    try:
+        parsed = parse_site(site)
+    except UnknownSiteError:
+        return False
+    return parsed.kind == "layer" and parsed.part in STEERABLE
 
 
 def all_sites(num_layers: int) -> list[str]:

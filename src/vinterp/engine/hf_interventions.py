@@ -1,0 +1,133 @@
+"""Steering and capture on the HF backend: the reference that vLLM's fast path is checked
+against.
+
+Written from the API's definitions (API.md section 5), token by token, and independently of
+the workers' tables (`vinterp.fastpath`), so that a test comparing the two backends checks
+the fast path against the definition, not against itself. The order at a site is the
+workers': steering first, then capture (which records the steered value), then a trace.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vinterp.api.specs import Steering
+from vinterp.wire.tensors import tensor_from_wire
+
+
+def steers(spec: Steering, position: int, prompt_len: int) -> bool:
+    """Whether `spec` adds its vector at this token: its phase, and its prompt positions."""
+    in_prompt = position < prompt_len
+    if (spec.phase == "prefill" and not in_prompt) or (spec.phase == "decode" and in_prompt):
+        return False
+    return spec.positions is None or (in_prompt and position in spec.positions)
+
+
+def captures(positions: str | list[int], position: int, prompt_len: int) -> bool:
+    """Whether a capture with this position selector records this token."""
+    if isinstance(positions, list):
+        return position in positions
+    return {
+        "last_prompt": position == prompt_len - 1,
+        "all_prompt": position < prompt_len,
+        "all_generated": position >= prompt_len,
+        "all": True,
+    }[positions]
+
+
+@dataclass
+class RequestInterventions:
+    """One request's steering (global, named, its own, in that order) and capture."""
+
+    steering: list[Steering]
+    prompt_len: int
+    capture_id: str | None = None
+    capture_sites: frozenset[str] = frozenset()
+    capture_positions: str | list[int] = "last_prompt"
+    first_position: int = 0  # of the tokens the current forward step computes
+
+
+@dataclass
+class HFInterventions:
+    """The HF engine's global and named steerings, and captured rows until they are taken."""
+
+    global_steering: list[Steering] = field(default_factory=list)
+    named: dict[str, Steering] = field(default_factory=dict)
+    current: RequestInterventions | None = None  # the request whose step is running
+    _captured: dict[str, dict[str, dict[int, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(dict))
+    )
+
+    def request(self, wire: dict[str, Any] | None, prompt_len: int) -> RequestInterventions:
+        """A request's interventions from its wire form (None: the global steering only)."""
+        wire = wire or {}
+        own = [_steering_from_wire(s) for s in wire.get("steering", [])]
+        named = [self.named[n] for n in wire.get("steering_names", []) if n in self.named]
+        request = RequestInterventions([*self.global_steering, *named, *own], prompt_len)
+        capture = wire.get("capture")
+        if capture is not None:
+            request.capture_id = capture["id"]
+            request.capture_sites = frozenset(capture["sites"])
+            request.capture_positions = capture["positions"]
+        return request
+
+    def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
+        """Steer the current step's (T, H) rows at `site` and record what is captured there;
+        the steered value, or None when no steering applies."""
+        request = self.current
+        if request is None:
+            return None
+        positions = range(request.first_position, request.first_position + value.shape[0])
+        steered = _steered(request, site, value, positions)
+        if site in request.capture_sites:
+            assert request.capture_id is not None
+            rows = self._captured[request.capture_id][site]
+            seen = value if steered is None else steered
+            for t, position in enumerate(positions):
+                if captures(request.capture_positions, position, request.prompt_len):
+                    rows[position] = seen[t].detach().clone()
+        return steered
+
+    def take(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Per capture id and site: positions in order and their rows (as the workers give)."""
+        out: dict[str, dict[str, Any]] = {}
+        for cid in capture_ids:
+            sites = self._captured.pop(cid, {})
+            out[cid] = {}
+            for site, rows in sites.items():
+                positions = sorted(rows)
+                out[cid][site] = {
+                    "positions": positions,
+                    "values": torch.stack([rows[p] for p in positions]),
+                }
+        return out
+
+
+def _steered(
+    request: RequestInterventions, site: str, value: torch.Tensor, positions: range
+) -> torch.Tensor | None:
+    """value + the sum of every applying spec's addend, computed in float32; a norm-matched
+    addend is scaled by the token's norm before any steering at this site."""
+    delta: torch.Tensor | None = None
+    norms = value.float().norm(dim=-1)
+    for spec in request.steering:
+        if site not in spec.vectors:
+            continue
+        vector = spec.vectors[site].float()
+        unit = vector / vector.norm().clamp_min(1e-12)
+        for t, position in enumerate(positions):
+            if not steers(spec, position, request.prompt_len):
+                continue
+            addend = spec.scale * (norms[t] * unit if spec.norm_match else vector)
+            delta = torch.zeros(value.shape, dtype=torch.float32) if delta is None else delta
+            delta[t] += addend
+    return None if delta is None else value + delta.to(value.dtype)
+
+
+def _steering_from_wire(wire: dict[str, Any]) -> Steering:
+    vectors = {site: tensor_from_wire(v) for site, v in wire["vectors"].items()}
+    return Steering(vectors, **{k: v for k, v in wire.items() if k != "vectors"})
