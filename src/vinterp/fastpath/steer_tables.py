@@ -121,6 +121,9 @@ class SteeringState:
     # what the first rows of the token_combo buffer hold (the rest is zero): a decode step
     # usually repeats the last step's, and then nothing is copied
     _on_device: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # the plan and batch layout the buffers were last filled for: a decode step that repeats
+    # them (the common case) has nothing to do
+    _written: tuple[SteerPlan | None, list[tuple[str, int, int]]] | None = None
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
@@ -148,6 +151,9 @@ class SteeringState:
     def write(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
         """Fill the buffers for this step's batch: (req id, first row, end row) per request."""
         plan = self.plan_
+        if self._written is not None and self._written[0] is plan and self._written[1] == layout:
+            return
+        self._written = (plan, layout)
         if plan is None:
             if len(self._on_device):
                 self.buffers.token_combo[: len(self._on_device)].zero_()

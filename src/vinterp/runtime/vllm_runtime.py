@@ -101,6 +101,12 @@ class WorkerRuntime:
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
         self.fast = FastPath(ships_results, order, steer.add.shape[1])
         self.steering = SteeringState(steer, order)
+        self.python_candidates: set[str] = set()  # live requests that capture or trace
+        # the last steering plan: for which fast-path version, and whether every steered
+        # request was decoding (then the same batch next step keeps the plan)
+        self.planned_version = -1
+        self.steering_decodes_only = False
+        self.steering_overflows = False
         PYTHON.site = self.on_site
         PYTHON.stream = self.on_stream
 
@@ -158,26 +164,47 @@ class WorkerRuntime:
 
     # -- per step -----------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> bool:
-        """Track the scheduled requests, plan steering; whether this step runs uncompiled."""
+        """Track the scheduled requests, plan steering; whether this step runs uncompiled.
+
+        Most steps repeat the last one: the same requests, each decoding one token. Then the
+        steering plan stands and only requests that capture or trace are looked at, so the
+        per-step work does not grow with the batch."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.python_candidates.discard(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = self._describe(new)
+            req = self.requests[new.req_id] = self._describe(new)
+            if req.trace is not None or (req.fast is not None and req.fast.capture is not None):
+                self.python_candidates.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if req_id in self.requests:
                 self.requests[req_id].num_computed = computed
-        self.scheduled = dict(scheduler_output.num_scheduled_tokens)
-        python, steered = False, []
-        for req_id, num_tokens in self.scheduled.items():
-            req = self.requests.get(req_id)
-            if req is None:
-                continue
-            python = python or self._needs_python(req, num_tokens)
-            steering = self._steering(req)
-            if steering is not None:
-                steered.append(SteeredRequest(req_id, req.num_computed, num_tokens, steering))
-        python = self.steering.plan(steered) or python
+        scheduled = scheduler_output.num_scheduled_tokens
+        python = any(
+            self._needs_python(self.requests[r], scheduled[r])
+            for r in self.python_candidates
+            if r in scheduled
+        )
+        same_decode_batch = (
+            self.steering_decodes_only
+            and self.planned_version == self.fast.version
+            and scheduled == self.scheduled
+        )
+        self.scheduled = dict(scheduled)
+        if not same_decode_batch:
+            steered = []
+            for req_id, num_tokens in self.scheduled.items():
+                req = self.requests.get(req_id)
+                steering = None if req is None else self._steering(req)
+                if steering is not None:
+                    steered.append(SteeredRequest(req_id, req.num_computed, num_tokens, steering))
+            self.steering_overflows = self.steering.plan(steered)
+            self.planned_version = self.fast.version
+            self.steering_decodes_only = all(
+                r.num_tokens == 1 and r.first >= r.steering.prompt_len for r in steered
+            )
+        python = python or self.steering_overflows
         PYTHON.active = python
         self.stats["steps"] += 1
         self.stats["uncompiled_steps"] += python

@@ -114,6 +114,8 @@ class SiteOrder:
 
     def expand(self, pattern: str) -> list[str]:
         """Sites matching a name or a glob over layer indices (`layers.*.output`), in order."""
+        if pattern in self.position:  # a request's sites arrive expanded: no regex per site
+            return [pattern]
         regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
         found = [s for s in self.sites if regex.match(s)]
         if not found:
