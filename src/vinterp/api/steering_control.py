@@ -17,6 +17,7 @@ class SteeringState:
 
     def __init__(self, llm: TraceFrontEnd) -> None:
         self._llm = llm
+        self.active: list[Steering] = []  # the global steering now set
         self.named: dict[str, Steering] = {}
 
     def _checked(self, steering: Steering | list[Steering], where: str) -> list[Steering]:
@@ -35,10 +36,12 @@ class SteeringControl(SteeringState):
         """Replace the global steering (a list adds up)."""
         specs = self._checked(steering, "steering.set")
         self._llm._engine.set_global_steering(specs)
+        self.active = specs
 
     def clear(self) -> None:
         """No global steering: outputs are byte-identical to the unsteered model again."""
         self._llm._engine.set_global_steering([])
+        self.active = []
 
     def register(self, name: str, steering: Steering) -> None:
         """Make `steering` usable as `steering=name` in later requests."""
@@ -57,9 +60,11 @@ class AsyncSteeringControl(SteeringState):
     async def set(self, steering: Steering | list[Steering]) -> None:
         specs = self._checked(steering, "steering.set")
         await self._llm._engine.set_global_steering(specs)
+        self.active = specs
 
     async def clear(self) -> None:
         await self._llm._engine.set_global_steering([])
+        self.active = []
 
     async def register(self, name: str, steering: Steering) -> None:
         (spec,) = self._checked(steering, f"steering.register({name!r})")
