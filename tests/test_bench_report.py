@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from vinterp.bench import report
-from vinterp.bench.harness import REFERENCE, Row
+from vinterp.bench.harness import REFERENCE, Row, timed_interleaved
 from vinterp.bench.peers.row import PeerRow
 from vinterp.bench.peers.timing import Timing, measure
 
@@ -67,6 +68,20 @@ def test_timing_is_the_median_and_spread_of_the_repeats_after_a_warm_up() -> Non
     calls = []
     timing, last = measure(lambda: calls.append(len(calls)) or len(calls), 3)
     assert len(calls) == 4 and len(timing.times) == 3 and last == 4  # one warm-up, untimed
+
+
+def test_interleaved_timing_runs_workloads_in_rounds() -> None:
+    """After one warm-up each, every round runs every workload once, so a machine that
+    slows down over the run slows every workload alike."""
+    calls: list[str] = []
+    clock = iter(range(100))  # a machine that gets slower with every run
+    slow = {
+        key: (lambda key=key: calls.append(key) or time.sleep(next(clock) * 1e-2)) for key in "ab"
+    }
+    timings = timed_interleaved(slow, 3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert [len(timings[k].times) for k in "ab"] == [3, 3]
+    assert timings["a"].median < timings["b"].median < 1.5 * timings["a"].median
 
 
 def test_rows_and_peer_rows_compare_medians() -> None:

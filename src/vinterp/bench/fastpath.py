@@ -19,6 +19,7 @@ from vinterp.bench.harness import (
     free_memory,
     target,
     timed,
+    timed_interleaved,
 )
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
@@ -164,17 +165,16 @@ def run(
         return rows
     llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
     try:
-        for key, name, kwargs in _workloads(llm):
-            if key not in selected:
-                continue
+        chosen = [(key, name, kwargs) for key, name, kwargs in _workloads(llm) if key in selected]
 
-            def generate(kwargs: dict[str, Any] = kwargs) -> None:
-                llm.generate(
-                    texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
-                )
+        def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
+            return lambda: llm.generate(
+                texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
+            )
 
-            measured = timed(generate, repeats)
-            rows.append(Row(name + size, baseline, measured, target(key), key, tokens))
+        timings = timed_interleaved({key: generate(kw) for key, _, kw in chosen}, repeats)
+        for key, name, _ in chosen:
+            rows.append(Row(name + size, baseline, timings[key], target(key), key, tokens))
             done(key)
         if trace_invokes.KEY in selected:
             rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))

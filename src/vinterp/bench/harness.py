@@ -8,6 +8,7 @@ import gc
 import math
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,21 @@ class Row:
 def timed(fn: Callable[[], object], repeats: int) -> Timing:
     """Wall times of `repeats` runs after one warm-up."""
     return measure(fn, repeats)[0]
+
+
+def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+    """Wall times of each workload over `repeats` rounds that run every workload once (after
+    one warm-up each): drift of the machine over the run reaches every workload alike, where
+    blocks of runs per workload would turn it into differences between them."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: Timing(tuple(runs)) for key, runs in times.items()}
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
