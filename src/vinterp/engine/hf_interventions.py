@@ -112,11 +112,12 @@ def _steered(
 ) -> torch.Tensor | None:
     """value + the sum of every applying spec's addend, computed in float32; a norm-matched
     addend is scaled by the token's norm before any steering at this site."""
+    specs = [spec for spec in request.steering if site in spec.vectors]
+    if not specs:  # most sites of most steps: nothing to compute
+        return None
     delta: torch.Tensor | None = None
     norms = value.float().norm(dim=-1)
-    for spec in request.steering:
-        if site not in spec.vectors:
-            continue
+    for spec in specs:
         vector = spec.vectors[site].float()
         unit = vector / vector.norm().clamp_min(1e-12)
         for t, position in enumerate(positions):
