@@ -1,12 +1,13 @@
-"""Where vinterp's time goes on a GPU: idle, steering and capture timed interleaved on one
+"""Where vinterp's time goes on a GPU: `vinterp bench`'s workloads timed interleaved on one
 engine (so drift between blocks of runs cancels), then one run of each selected workload
 under cProfile.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 PROF=steer,cap1,caplast REPS=5 \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 PROF=steer,capture_one,capture_layers_last REPS=5 \\
         python3 scripts/gpu_profile.py
 
 With VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core (scheduler and worker hooks) runs in
-this process, so the profile sees vinterp's per-step work. N and T set prompts and tokens.
+this process, so the profile sees vinterp's per-step work. N and T set prompts and tokens,
+WORKLOADS the bench keys to time (the first one is the reference of the ratios).
 """
 
 from __future__ import annotations
@@ -15,48 +16,35 @@ import cProfile
 import io
 import os
 import pstats
-import time
-from typing import Any
-
-import torch
 
 import vinterp
+from vinterp.bench.fastpath import PROMPT_TEMPLATE, workloads
+from vinterp.bench.harness import timed_interleaved
 
 N, T = int(os.environ.get("N", 256)), int(os.environ.get("T", 128))
 REPS = int(os.environ.get("REPS", 5))
+KEYS = os.environ.get("WORKLOADS", "idle,steer,capture_one,capture_layers_last").split(",")
 
 
 def main() -> None:
-    texts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(N)]
+    texts = [PROMPT_TEMPLATE.format(i=i) for i in range(N)]
     llm = vinterp.LLM(vinterp.models.bundled(), dtype="bfloat16", max_model_len=2048)
-    v = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    site = "layers.10.output"
-    workloads: dict[str, dict[str, Any]] = {
-        "idle": {},
-        "steer": {"steering": vinterp.Steering({site: v}, scale=4.0)},
-        "cap1": {"capture": vinterp.Capture(site)},
-        "caplast": {"capture": vinterp.Capture("layers.*.output", positions="last_prompt")},
-    }
+    chosen = {key: kwargs for key, _, kwargs in workloads(llm) if key in KEYS}
 
-    def generate(kwargs: dict[str, Any]) -> None:
-        llm.generate(texts, max_tokens=T, ignore_eos=True, use_tqdm=False, **kwargs)
+    def run(key: str) -> None:
+        llm.generate(texts, max_tokens=T, ignore_eos=True, use_tqdm=False, **chosen[key])
 
-    for kwargs in workloads.values():
-        generate(kwargs)  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in workloads}
-    for _ in range(REPS):
-        for key, kwargs in workloads.items():
-            start = time.perf_counter()
-            generate(kwargs)
-            times[key].append(time.perf_counter() - start)
-    idle = sorted(times["idle"])[REPS // 2]
-    for key, runs in times.items():
-        median = sorted(runs)[REPS // 2]
-        print(f"{key:8s} median {median:.3f} s  x{median / idle:.3f} of idle  runs {runs}")
+    timings = timed_interleaved({key: lambda key=key: run(key) for key in chosen}, REPS)
+    reference = timings[KEYS[0]].median
+    for key, timing in timings.items():
+        print(
+            f"{key:20s} median {timing.median:.3f} s  x{timing.median / reference:.3f} of "
+            f"{KEYS[0]}  runs {[round(t, 3) for t in timing.times]}"
+        )
     for key in filter(None, os.environ.get("PROF", "").split(",")):
         profile = cProfile.Profile()
         profile.enable()
-        generate(workloads[key])
+        run(key)
         profile.disable()
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)

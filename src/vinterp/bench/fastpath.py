@@ -94,8 +94,8 @@ def plain_vllm_time(
         return timed(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
 
 
-def _workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """(key, name, generate kwargs) of the fast-path rows."""
+def workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """(key, name, generate kwargs) of the fast-path rows (also scripts/gpu_profile.py's)."""
     import vinterp
 
     vector = torch.randn(int(llm.config.hidden_size), generator=torch.Generator().manual_seed(0))
@@ -165,7 +165,7 @@ def run(
         return rows
     llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
     try:
-        chosen = [(key, name, kwargs) for key, name, kwargs in _workloads(llm) if key in selected]
+        chosen = [(key, name, kwargs) for key, name, kwargs in workloads(llm) if key in selected]
 
         def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
             return lambda: llm.generate(
