@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
-from vinterp.fastpath.capture_store import CaptureStore
+from vinterp.fastpath.capture_store import CaptureStore, merge_captures
 from vinterp.fastpath.specs import CaptureSpec, SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
-from vinterp.fastpath.tables import RowSpan, build_capture_tables
+from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.tensors import tensor_from_wire
 
@@ -121,10 +124,99 @@ def test_store_orders_positions_and_keeps_the_latest_recompute() -> None:
     store.record_site(SITE, first[SITE], torch.tensor([[0.0], [1.0]]))
     again = build_capture_tables([(RowSpan(1, 4, 0, 3), spec)])  # preempted: 0, 1, 2 again
     store.record_site(SITE, again[SITE], torch.tensor([[9.0], [10.0], [11.0], [12.0]]))
-    taken = store.take(["a"])["a"][SITE]
-    assert taken["positions"] == [0, 1, 2]
-    assert tensor_from_wire(taken["values"]).flatten().tolist() == [10.0, 11.0, 12.0]
-    assert store.take(["a"]) == {"a": {}}
+    block = store.take(["a"])[SITE]
+    assert block["parts"] == [["a", [0, 1, 2]]]
+    assert tensor_from_wire(block["values"]).flatten().tolist() == [10.0, 11.0, 12.0]
+    assert store.take(["a"]) == {}
+
+
+Step = list[tuple[str, str, list[int]]]  # one step: (site, capture id, positions) in batch order
+
+
+def recorded(stores: dict[str, CaptureStore], steps: list[Step]) -> list[tuple]:
+    """Record `steps` (each site in its own store, as PP stages hold theirs) from values whose
+    rows all differ and are gathered out of order; the (site, SiteCapture, value) recorded."""
+    done = []
+    for k, step in enumerate(steps):
+        for site in dict.fromkeys(site for site, _, _ in step):
+            parts = [(cid, positions) for s, cid, positions in step if s == site]
+            n = sum(len(positions) for _, positions in parts)
+            value = torch.arange((n + 2) * H, dtype=torch.float32).reshape(n + 2, H)
+            value += 1000 * k + 100 * len(done)
+            capture = SiteCapture(torch.randperm(n + 2)[:n], parts)
+            stores[site].record_site(site, capture, value)
+            done.append((site, capture, value))
+    return done
+
+
+def reference(done: list[tuple], capture_ids: list[str]) -> dict:
+    """take + merge_captures by plain loops: per id and site its positions in order, each with
+    the row that the last step recording it gathered."""
+    latest: dict = {}
+    for site, capture, value in done:
+        row = 0
+        for cid, positions in capture.parts:
+            for position in positions:
+                if cid in capture_ids:
+                    latest.setdefault(cid, {}).setdefault(site, {})[position] = value[
+                        capture.rows[row]
+                    ].tolist()
+                row += 1
+    return {
+        cid: {site: (sorted(rows), [rows[p] for p in sorted(rows)]) for site, rows in sites.items()}
+        for cid, sites in latest.items()
+    }
+
+
+def as_lists(merged: dict) -> dict:
+    return {
+        cid: {site: (rows["positions"], rows["values"].tolist()) for site, rows in sites.items()}
+        for cid, sites in merged.items()
+    }
+
+
+def random_steps(seed: int) -> list[Step]:
+    """Batches of ids in changing order, some at only some sites, positions often repeated."""
+    rng = random.Random(seed)
+    ids, sites = ["a", "b", "c", "d"], [SITE, "layers.0.output"]
+    return [
+        [
+            (site, cid, sorted(rng.sample(range(8), rng.randint(1, 3))))
+            for cid in rng.sample(ids, rng.randint(1, len(ids)))
+            for site in sites
+            if cid != "d" or site == SITE
+        ]
+        for _ in range(rng.randint(1, 6))
+    ]
+
+
+PREEMPTED: list[Step] = [
+    [(SITE, "a", [0, 1, 2]), (SITE, "b", [0, 1]), (SITE, "c", [0, 1, 2, 3])]
+    + [("layers.0.output", "a", [0, 1, 2]), ("layers.0.output", "b", [0, 1])],
+    [(SITE, "b", [2]), (SITE, "a", [3]), (SITE, "c", [4])]
+    + [("layers.0.output", "b", [2]), ("layers.0.output", "a", [3])]
+    + [("layers.0.output", "d", [7, 9])],
+    [(SITE, "b", [0, 1, 2]), (SITE, "a", [4])]  # b preempted and recomputed
+    + [("layers.0.output", "b", [0, 1, 2]), ("layers.0.output", "a", [4])],
+    [(SITE, "a", [5]), (SITE, "b", [3]), (SITE, "c", [2])]
+    + [("layers.0.output", "a", [5]), ("layers.0.output", "b", [3])],
+]
+
+
+@pytest.mark.parametrize("steps", [PREEMPTED] + [random_steps(seed) for seed in range(30)])
+def test_take_gives_each_id_its_latest_rows_in_position_order(steps: list[Step]) -> None:
+    """One block per site for the ids taken, expanded in the front end, against plain loops:
+    ids taken in any order and in several takes, latest row of a recomputed position."""
+    stores = {SITE: CaptureStore(), "layers.0.output": CaptureStore()}
+    done = recorded(stores, steps)
+    for capture_ids, left in ((["c", "a"], ["c", "a"]), (["d", "b", "a"], ["d", "b"])):
+        taken = [store.take(capture_ids) for store in stores.values()]
+        for blocks in taken:
+            for block in blocks.values():
+                owners = [cid for cid, _ in block["parts"]]
+                assert owners == [cid for cid in left if cid in owners]
+        assert as_lists(merge_captures([*taken, {}])) == reference(done, left)
+    assert all(store.take(["a", "b", "c", "d"]) == {} for store in stores.values())
 
 
 def test_decode_steps_follow_the_batch_as_it_changes() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,19 +139,12 @@ def captured_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """Per site (P, H) rows in position order, limited to tokens the model actually read
     (a scheduler step past the end would otherwise add one)."""
-    from vinterp.wire.tensors import tensor_from_wire
-
     read_upto = prompt_len + max(generated - 1, 0)
     tensors, positions = {}, {}
     for site, data in rows.items():
-        values = (
-            tensor_from_wire(data["values"]) if isinstance(data["values"], dict) else data["values"]
-        )
-        keep = [i for i, p in enumerate(data["positions"]) if p < read_upto]
-        if len(keep) < len(data["positions"]):
-            values = values[keep]
-        tensors[site] = values
-        positions[site] = [data["positions"][i] for i in keep]
+        kept = bisect_left(data["positions"], read_upto)  # positions come in order
+        tensors[site] = data["values"][:kept]
+        positions[site] = data["positions"][:kept]
     return tensors, positions
 
 

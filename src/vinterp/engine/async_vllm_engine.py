@@ -20,10 +20,10 @@ from vinterp.engine.vllm_engine import (
     engine_arguments,
     fast_params,
     invoke_params,
-    merge_captures,
     to_output,
     vllm_prompt,
 )
+from vinterp.fastpath.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import TraceResult

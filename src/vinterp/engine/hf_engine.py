@@ -104,7 +104,7 @@ class HFEngine:
         ]
 
     def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Captured rows per capture id and site, as vLLM's workers give them."""
+        """Captured rows per capture id and site, as the vLLM engine gives them."""
         return self.interventions.take(capture_ids)
 
     def set_global_steering(self, specs: list[Any]) -> None:

@@ -93,7 +93,7 @@ class HFInterventions:
         return steered
 
     def take(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Per capture id and site: positions in order and their rows (as the workers give)."""
+        """Per capture id and site: positions in order and their rows (as `merge_captures`)."""
         out: dict[str, dict[str, Any]] = {}
         for cid in capture_ids:
             sites = self._captured.pop(cid, {})

@@ -11,6 +11,7 @@ from typing import Any
 from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
 from vinterp.engine.plugin import CONFIG_KEY
+from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
@@ -215,16 +216,6 @@ def collected_result(outputs: list[Any], per_worker: list[dict[str, Any]]) -> Tr
             saved.setdefault(int(node), decode_saved(value))
         failure = failure or collected["failure"]
     return TraceResult(outputs, saved, Failure(**failure) if failure else None)
-
-
-def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """One {capture id: {site: rows}} from every worker's share (PP stages hold different
-    sites; other TP ranks send nothing)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for captured in per_worker:
-        for capture_id, sites in captured.items():
-            merged.setdefault(capture_id, {}).update(sites)
-    return merged
 
 
 def to_output(result: Any) -> Output:

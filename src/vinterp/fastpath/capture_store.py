@@ -1,19 +1,23 @@
-"""Captured rows kept in the worker until the client takes them (one store per worker).
+"""Captured rows kept in the worker until the client takes them (one store per worker), and
+the block format they travel in.
 
 Each site is gathered once per step for all requests (one copy, not one per request) and
-stays on the device; the requests' slices are cut out and moved to the host only when they
-are taken, so recording never waits for the device.
+stays on the device until taken. A take sends one block per site for all the ids taken, so
+its cost grows with sites and steps, not with how many requests capture.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
+from collections.abc import Iterable
+from itertools import accumulate, chain
 from typing import Any
 
 import torch
 
 from vinterp.fastpath.tables import SiteCapture
-from vinterp.wire.tensors import tensor_to_wire
+from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 # per capture id, per site: (one step's gathered rows, first row, positions) for each step
 _Chunk = tuple[torch.Tensor, int, list[int]]
@@ -30,37 +34,97 @@ class CaptureStore:
             self._chunks[capture_id][site].append((gathered, start, positions))
             start += len(positions)
 
-    def take(self, capture_ids: list[str]) -> dict[str, Any]:
-        """Per capture id and site: positions in order and their rows, as wire tensors."""
-        out: dict[str, Any] = {}
-        on_host: dict[int, torch.Tensor] = {}  # one device-to-host copy per gathered step
-
-        def host(chunk: _Chunk) -> _Chunk:
-            gathered, start, positions = chunk
-            if id(gathered) not in on_host:
-                on_host[id(gathered)] = gathered.cpu()
-            return on_host[id(gathered)], start, positions
-
+    def take(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """{site: block} of the rows of `capture_ids` (see `site_block`), removed here."""
+        owned: dict[str, list[tuple[str, list[_Chunk]]]] = defaultdict(list)
         for cid in capture_ids:
-            sites = self._chunks.pop(cid, {})
-            out[cid] = {}
-            for site, chunks in sites.items():
-                positions, values = latest_by_position([host(c) for c in chunks])
-                out[cid][site] = {"positions": positions, "values": tensor_to_wire(values)}
-        return out
+            for site, chunks in self._chunks.pop(cid, {}).items():
+                owned[site].append((cid, chunks))
+        return {site: site_block(chunks) for site, chunks in owned.items()}
 
 
-def latest_by_position(chunks: list[_Chunk]) -> tuple[list[int], torch.Tensor]:
-    """Rows sorted by position; a position recorded twice (a preempted request recomputed)
-    keeps its latest row. The usual case, one step's rows already in order, is a slice."""
-    if len(chunks) == 1:
-        gathered, start, positions = chunks[0]
-        if all(a < b for a, b in zip(positions, positions[1:])):
-            return list(positions), gathered[start : start + len(positions)]
-    values = torch.cat([g[start : start + len(pos)] for g, start, pos in chunks])
-    positions = torch.tensor([p for _, _, pos in chunks for p in pos], dtype=torch.long)
-    order = torch.argsort(positions, stable=True)
-    ordered = positions[order]
-    last = torch.ones_like(ordered, dtype=torch.bool)
-    last[:-1] = ordered[1:] != ordered[:-1]
-    return ordered[last].tolist(), values[order[last]]
+def site_block(owned: list[tuple[str, list[_Chunk]]]) -> dict[str, Any]:
+    """One site's rows for several ids: "values", one wire tensor grouped by id in `owned`'s
+    order, and "parts", [[capture id, positions]], each id's positions in order. A position
+    recorded twice (a preempted request recomputed) keeps its latest row."""
+    gathered: dict[int, torch.Tensor] = {}  # each step's rows by id(), in the order first met
+    keys: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    positions: list[int] = []
+    counts: list[int] = []
+    for _, chunks in owned:  # Python per id; its chunks go through C iterators
+        tensors, firsts, chunk_positions = zip(*chunks)
+        gathered.update(zip(map(id, tensors), tensors))
+        keys += map(id, tensors)
+        starts += firsts
+        sizes = list(map(len, chunk_positions))
+        lengths += sizes
+        counts.append(sum(sizes))
+        positions += chain.from_iterable(chunk_positions)
+    step_of = {key: i for i, key in enumerate(gathered)}
+    values, rows = _joined(
+        list(gathered.values()),
+        _longs(map(step_of.__getitem__, keys)),
+        _longs(starts),
+        _longs(lengths),
+    )
+    owner = torch.arange(len(owned)).repeat_interleave(_longs(counts))
+    keep = _latest_in_order(owner, _longs(positions))
+    if keep is not None:
+        rows, positions = rows[keep], [positions[i] for i in keep.tolist()]
+        counts = torch.bincount(owner[keep], minlength=len(owned)).tolist()
+    if not torch.equal(rows, torch.arange(len(values))):
+        values = values.index_select(0, rows.to(values.device))
+    ends = list(accumulate(counts))
+    parts = [[cid, positions[a:b]] for (cid, _), a, b in zip(owned, [0, *ends], ends)]
+    return {"values": tensor_to_wire(values), "parts": parts}
+
+
+def _joined(
+    gathered: list[torch.Tensor], step: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' steps joined once, each cut to the rows the chunks use (a chunk's rows are
+    contiguous), and where each chunk's each row lands in the joined tensor."""
+    zeros = starts.new_zeros(len(gathered))  # only a start (include_self=False): each step has one
+    lo = zeros.scatter_reduce(0, step, starts, "amin", include_self=False)
+    hi = zeros.scatter_reduce(0, step, starts + lengths, "amax", include_self=False)
+    pieces = [g[a:b] for g, a, b in zip(gathered, lo.tolist(), hi.tolist())]
+    step_first = (hi - lo).cumsum(0) - (hi - lo) - lo  # where a step's row 0 would land
+    chunk_first = step_first[step] + starts - (lengths.cumsum(0) - lengths)
+    rows = chunk_first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces), rows
+
+
+def _latest_in_order(owner: torch.Tensor, position: torch.Tensor) -> torch.Tensor | None:
+    """The entries to keep, sorted by (owner, position), the latest recorded of equal ones;
+    None when they already are (the usual case: no request was recomputed)."""
+    key = owner * (int(position.max()) + 1) + position
+    if bool((key[1:] > key[:-1]).all()):
+        return None
+    order = torch.sort(key, stable=True).indices
+    key = key[order]
+    latest = torch.ones_like(key, dtype=torch.bool)
+    latest[:-1] = key[1:] != key[:-1]
+    return order[latest]
+
+
+def _longs(values: Iterable[int]) -> torch.Tensor:
+    """An int64 tensor from Python ints (through an array: a few times faster than a list)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """{capture id: {site: {"positions", "values"}}} from every worker's blocks (PP stages
+    hold different sites; other TP ranks send {}). Each block is decoded once; an id's rows
+    are a view of it."""
+    merged: dict[str, dict[str, Any]] = defaultdict(dict)
+    for blocks in per_worker:
+        for site, block in blocks.items():
+            values = tensor_from_wire(block["values"], f"captured rows at {site}")
+            parts = block["parts"]
+            for (cid, positions), rows in zip(
+                parts, torch.split(values, [len(p) for _, p in parts])
+            ):
+                merged[cid][site] = {"positions": positions, "values": rows}
+    return dict(merged)

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from vinterp.api.fast import Prepared, captured_tensors, check_steering
 from vinterp.api.specs import Capture, Steering
+from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY
 from vinterp.sites.names import SiteOrder, UnknownSiteError
@@ -131,7 +132,5 @@ def _many_prompts(body: dict[str, Any]) -> bool:
 
 
 async def _take_captures(engine: Any, capture_id: str) -> dict[str, Any]:
-    from vinterp.engine.vllm_engine import merge_captures
-
     per_worker = await engine.collective_rpc("vinterp_take_captures", args=([capture_id],))
     return merge_captures(per_worker).get(capture_id, {})
