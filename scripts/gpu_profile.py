@@ -18,7 +18,7 @@ import os
 import pstats
 
 import vinterp
-from vinterp.bench.fastpath import PROMPT_TEMPLATE, workloads
+from vinterp.bench.fastpath import PROMPT_TEMPLATE, vinterp_workloads
 from vinterp.bench.harness import timed_interleaved
 
 N, T = int(os.environ.get("N", 256)), int(os.environ.get("T", 128))
@@ -29,7 +29,7 @@ KEYS = os.environ.get("WORKLOADS", "idle,steer,capture_one,capture_layers_last")
 def main() -> None:
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(N)]
     llm = vinterp.LLM(vinterp.models.bundled(), dtype="bfloat16", max_model_len=2048)
-    chosen = {key: kwargs for key, _, kwargs in workloads(llm) if key in KEYS}
+    chosen = {key: kwargs for key, _, kwargs in vinterp_workloads(llm) if key in KEYS}
 
     def run(key: str) -> None:
         llm.generate(texts, max_tokens=T, ignore_eos=True, use_tqdm=False, **chosen[key])

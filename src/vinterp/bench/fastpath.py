@@ -94,7 +94,7 @@ def plain_vllm_time(
         return timed(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
 
 
-def workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
+def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
     """(key, name, generate kwargs) of the fast-path rows (also scripts/gpu_profile.py's)."""
     import vinterp
 
@@ -165,21 +165,41 @@ def run(
         return rows
     llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
     try:
-        chosen = [(key, name, kwargs) for key, name, kwargs in workloads(llm) if key in selected]
-
-        def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
-            return lambda: llm.generate(
-                texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
-            )
-
-        timings = timed_interleaved({key: generate(kw) for key, _, kw in chosen}, repeats)
-        for key, name, _ in chosen:
-            rows.append(Row(name + size, baseline, timings[key], target(key), key, tokens))
-            done(key)
-        if trace_invokes.KEY in selected:
-            rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
-            done(trace_invokes.KEY)
+        rows += vinterp_rows(llm, texts, max_tokens, repeats, baseline, selected, invokes, done)
     finally:
         llm.shutdown()
         free_memory()
+    return rows
+
+
+def vinterp_rows(
+    llm: Any,
+    texts: list[str],
+    max_tokens: int,
+    repeats: int,
+    baseline: Timing,
+    selected: set[str],
+    invokes: int = 256,
+    done: Callable[..., None] = lambda *_: None,
+) -> list[Row]:
+    """The selected fast-path rows (timed interleaved on `llm`) and the trace row, each
+    against `baseline`, plain vLLM's time for the same prompts."""
+    chosen = [
+        (key, name, kwargs) for key, name, kwargs in vinterp_workloads(llm) if key in selected
+    ]
+
+    def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
+        return lambda: llm.generate(
+            texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
+        )
+
+    timings = timed_interleaved({key: generate(kw) for key, _, kw in chosen}, repeats)
+    size, tokens = f" ({len(texts)}x{max_tokens})", len(texts) * max_tokens
+    rows = []
+    for key, name, _ in chosen:
+        rows.append(Row(name + size, baseline, timings[key], target(key), key, tokens))
+        done(key)
+    if trace_invokes.KEY in selected:
+        rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
+        done(trace_invokes.KEY)
     return rows
