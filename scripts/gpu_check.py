@@ -1,15 +1,17 @@
 """Check vinterp under CUDA graphs against an eager engine, on the lent GPU machine.
 
     python scripts/gpu_check.py --model bundled|llama1b --out DIR [--runner v1|v2]
-                                [--stages plain,A,B] [--keep DIR]
+                                [--stages plain,plain_eager,A,B] [--keep DIR]
 
 Each stage's results are kept under --keep (default /tmp/gpu_check/MODEL-RUNNER), so the
 stages can run in separate calls (each engine start costs a minute or more) and be compared
 by the last one.
 
-One engine at a time: plain vLLM (no vinterp), then vinterp compiled with CUDA graphs (A), then
-vinterp with enforce_eager=True (B), all in bfloat16. A and B run the same workload (steering,
-capture, traces, timings); the script prints a comparison table and writes DIR/gpu_check.json.
+One engine at a time: plain vLLM (no vinterp) compiled and with enforce_eager=True (vLLM's own
+graphs-vs-eager difference, the yardstick for A vs B), then vinterp compiled with CUDA graphs
+(A), then vinterp with enforce_eager=True (B), all in bfloat16. A and B run the same workload
+(steering, capture, traces, timings); the script prints a comparison table and writes
+DIR/gpu_check.json.
 bf16 tolerance: captures and saves within 2e-2 relative error, greedy tokens equal for at least
 7 of 8 prompts (one late token may flip); the numbers are printed either way.
 """
@@ -63,6 +65,7 @@ def model_path(name: str) -> Path:
         num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
+        max_position_embeddings=4096,  # room for --max-model-len (the tiny default is 512)
     )
 
 
@@ -256,7 +259,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("bundled", "llama1b"), default="bundled")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--runner", choices=("v1", "v2"), default=None, help="default: vLLM's")
-    parser.add_argument("--stages", default="plain,A,B")
+    parser.add_argument("--stages", default="plain,plain_eager,A,B")
     parser.add_argument("--keep", type=Path, default=None)
     parser.add_argument(
         "--max-model-len",
@@ -287,6 +290,11 @@ def main() -> None:
 
     sized = {"max_model_len": args.max_model_len}
     plain = kept("plain", "plain vLLM", lambda: plain_tokens(path, **sized))
+    plain_eager = kept(
+        "plain_eager",
+        "plain vLLM, enforce_eager",
+        lambda: plain_tokens(path, enforce_eager=True, **sized),
+    )
     a = kept("A", "A: vinterp, CUDA graphs", lambda: vinterp_engine(path, None, **sized))
     norm = a["norm"] if a else None
     b = kept(
@@ -296,6 +304,9 @@ def main() -> None:
     )
 
     checks = compare(a, b) if a and b else []
+    if plain and plain_eager:  # vLLM's own graphs-vs-eager difference: the yardstick for A vs B
+        k = equal(plain, plain_eager)
+        checks.append(("plain vLLM: graphs == enforce_eager", f"{k}/{N}", k >= MIN_EQUAL))
     for tag, r in (("A", a), ("B", b)):
         if plain and r:
             k = equal(r["tokens"]["unsteered"], plain)
@@ -314,7 +325,11 @@ def main() -> None:
         "checks": [{"check": c, "numbers": n, "ok": ok} for c, n, ok in checks],
         "timing_s": timing,
         "norm": norm,
-        "tokens": {"plain": plain, **{t: r["tokens"] for t, r in (("A", a), ("B", b)) if r}},
+        "tokens": {
+            "plain": plain,
+            "plain_eager": plain_eager,
+            **{t: r["tokens"] for t, r in (("A", a), ("B", b)) if r},
+        },
         "errors": errors,
     }
     (args.out / "gpu_check.json").write_text(json.dumps(doc, indent=2) + "\n")
