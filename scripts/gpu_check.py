@@ -1,7 +1,7 @@
 """Check vinterp under CUDA graphs against an eager engine, on the lent GPU machine.
 
     python scripts/gpu_check.py --model bundled|llama1b --out DIR [--runner v1|v2]
-                                [--stages plain,plain_eager,A,B] [--keep DIR]
+                                [--stages plain,plain_eager,A,B,C] [--keep DIR]
 
 Each stage's results are kept under --keep (default /tmp/gpu_check/MODEL-RUNNER), so the
 stages can run in separate calls (each engine start costs a minute or more) and be compared
@@ -9,9 +9,10 @@ by the last one.
 
 One engine at a time: plain vLLM (no vinterp) compiled and with enforce_eager=True (vLLM's own
 graphs-vs-eager difference, the yardstick for A vs B), then vinterp compiled with CUDA graphs
-(A), then vinterp with enforce_eager=True (B), all in bfloat16. A and B run the same workload
-(steering, capture, traces, timings); the script prints a comparison table and writes
-DIR/gpu_check.json.
+(A), then vinterp with enforce_eager=True (B), then (stage C, not by default) vinterp with
+CUDA graphs and `capture_in_graph=True`, all in bfloat16. A, B and C run the same workload
+(steering, capture, traces, timings); the script prints a comparison table (A and C against
+B) and writes DIR/gpu_check.json.
 bf16 tolerance: captures and saves within 2e-2 relative error, greedy tokens equal for at least
 7 of 8 prompts (one late token may flip); the numbers are printed either way.
 """
@@ -211,17 +212,17 @@ def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """(check, numbers, ok) rows for engine A (CUDA graphs) against B (eager)."""
+def compare(a: dict[str, Any], b: dict[str, Any], tag_a: str = "A") -> list[tuple[str, str, bool]]:
+    """(check, numbers, ok) rows for engine A (CUDA graphs; or C) against B (eager)."""
     checks: list[tuple[str, str, bool]] = []
     add = lambda *row: checks.append(row)  # noqa: E731
     for name in a["tokens"]:
         k = equal(a["tokens"][name], b["tokens"][name])
-        add(f"tokens {name}: A == B", f"{k}/{N}", k >= MIN_EQUAL)
+        add(f"tokens {name}: {tag_a} == B", f"{k}/{N}", k >= MIN_EQUAL)
     for name in STEERED:
         diff = [N - equal(r["tokens"][name], r["tokens"]["unsteered"]) for r in (a, b)]
-        add(f"{name} differs from unsteered (A, B)", f"{diff[0]}, {diff[1]}", min(diff) > 0)
-    for tag, r in (("A", a), ("B", b)):
+        add(f"{name} differs from unsteered ({tag_a}, B)", f"{diff[0]}, {diff[1]}", min(diff) > 0)
+    for tag, r in ((tag_a, a), ("B", b)):
         t = r["tokens"]
         for half, rows in (("unsteered", slice(1, None, 2)), ("steered", slice(0, None, 2))):
             k = equal(t["mixed"][rows], t[half][rows])
@@ -234,12 +235,13 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, bool]]
         pairs = [(x.get(s), y[s]) for x, y in zip(ca, b["captures"][name]) for s in y]
         same = all(x is not None and x.shape == y.shape for x, y in pairs)
         err = max((rel_err(x, y) for x, y in pairs), default=math.inf)
-        add(f"capture {name}: shapes, max rel err", f"{same}, {err:.2e}", same and err < REL_TOL)
+        numbers, ok = f"{same}, {err:.2e}", same and err < REL_TOL
+        add(f"{tag_a} capture {name}: shapes, max rel err", numbers, ok)
     for name in ("h", "logits", "written_logits", "patched_logits"):
         err = rel_err(a["traces"][name], b["traces"][name])
-        add(f"trace save {name}: rel err", f"{err:.2e}", err < REL_TOL)
+        add(f"{tag_a} trace save {name}: rel err", f"{err:.2e}", err < REL_TOL)
     k = equal(a["traces"]["samples"], b["traces"]["samples"])
-    add("trace tr.iter[:] samples: A == B", f"{k}/4", k == 4)
+    add(f"trace tr.iter[:] samples: {tag_a} == B", f"{k}/4", k == 4)
     return checks
 
 
@@ -303,18 +305,27 @@ def main() -> None:
         lambda: vinterp_engine(path, norm, enforce_eager=True, **sized),
     )
 
+    c = kept(
+        "C",
+        "C: vinterp, CUDA graphs, capture_in_graph=True",
+        lambda: vinterp_engine(path, norm, capture_in_graph=True, **sized),
+    )
+
     checks = compare(a, b) if a and b else []
+    if c and b:  # B's own rows are already there
+        checks += [row for row in compare(c, b, "C") if row not in checks]
     if plain and plain_eager:  # vLLM's own graphs-vs-eager difference: the yardstick for A vs B
         k = equal(plain, plain_eager)
         checks.append(("plain vLLM: graphs == enforce_eager", f"{k}/{N}", k >= MIN_EQUAL))
-    for tag, r in (("A", a), ("B", b)):
+    engines = (("A", a), ("B", b), ("C", c))
+    for tag, r in engines:
         if plain and r:
             k = equal(r["tokens"]["unsteered"], plain)
             checks.append((f"{tag} unsteered == plain vLLM", f"{k}/{N}", k >= MIN_EQUAL))
     log(f"\n{'check':<58} {'numbers':>18}  ok")
     for check, numbers, ok in checks:
         log(f"{check:<58} {numbers:>18}  {'ok' if ok else 'NOT OK'}")
-    timing = {tag: r["timing_s"] for tag, r in (("A", a), ("B", b)) if r}
+    timing = {tag: r["timing_s"] for tag, r in engines if r}
     log(f"\n{'64 prompts x 64 tokens':<40} " + " ".join(f"{t:>9}" for t in timing))
     for name in next(iter(timing.values()), {}):
         log(f"{name:<40} " + " ".join(f"{timing[t][name]:8.3f}s" for t in timing))
@@ -328,7 +339,7 @@ def main() -> None:
         "tokens": {
             "plain": plain,
             "plain_eager": plain_eager,
-            **{t: r["tokens"] for t, r in (("A", a), ("B", b)) if r},
+            **{t: r["tokens"] for t, r in engines if r},
         },
         "errors": errors,
     }

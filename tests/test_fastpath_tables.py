@@ -6,7 +6,10 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from vinterp.fastpath.capture_buffers import CaptureBuffers
 from vinterp.fastpath.capture_store import CaptureStore, merge_captures
 from vinterp.fastpath.specs import CaptureSpec, SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers
@@ -105,6 +108,53 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
     assert len(compiles) == 1
 
 
+def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
+    """In-graph capture: the compiled function gathers the rows `write` names at each site
+    (the stream's two parts summed), follows new rows without recompiling, and after a
+    capturing step the index is emptied, so a smaller batch stays in range."""
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    site, stream = ORDER[SITE], ORDER["layers.0.output"]
+    bufs = CaptureBuffers(len(ORDER.sites), [site, stream], 4, H, torch.float32, "cpu")
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        bufs(site, x)
+        bufs(stream, x, plus=2 * x)
+        return x + 1
+
+    fn = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.arange(6 * H, dtype=torch.float32).reshape(6, H)
+    for rows in ([5, 0, 2], [1, 4, 3, 0]):
+        first_two = SiteCapture(torch.tensor(rows[:2]), [])
+        bufs.write({site: SiteCapture(torch.tensor(rows), []), stream: first_two})
+        fn(x)
+        assert torch.equal(bufs.gathered(site, len(rows)), x[rows])
+        assert torch.equal(bufs.gathered(stream, 2), 3 * x[rows[:2]])
+    assert len(compiles) == 1
+    bufs.write({})
+    assert bufs.index.abs().sum() == 0
+    bufs.active = True  # uncompiled, as an enforce_eager engine runs it
+    model(x[:1])  # one token: every gather reads row 0
+    assert torch.equal(bufs.gathered(site, 1), x[:1])
+
+
+@given(
+    st.sampled_from(["last_prompt", "all_prompt", "all_generated", "all", "set"]),
+    st.integers(0, 12),
+    st.integers(0, 6),
+    st.integers(1, 10),
+    st.frozensets(st.integers(0, 20)),
+)
+def test_capture_count_is_the_number_of_wanted_positions(kind, first, length, prompt_len, chosen):
+    spec = CaptureSpec("a", (SITE,), chosen if kind == "set" else kind)
+    wanted = sum(spec.wants(p, prompt_len) for p in range(first, first + length))
+    assert spec.count(first, first + length, prompt_len) == wanted
+
+
 def test_capture_gathers_each_request_rows_once_per_site() -> None:
     last = CaptureSpec("a", (SITE,), "last_prompt")
     every = CaptureSpec("b", (SITE, "layers.0.output"), "all")
@@ -113,8 +163,8 @@ def test_capture_gathers_each_request_rows_once_per_site() -> None:
     assert tables[SITE].rows.tolist() == [2, 3, 4]
     assert tables[SITE].parts == [("a", [2]), ("b", [0, 1])]
     assert tables["layers.0.output"].rows.tolist() == [3, 4]
-    assert last.wants_any(0, 3, 3) and not last.wants_any(3, 4, 3)
-    assert CaptureSpec("c", (SITE,), "all_generated").wants_any(2, 4, 3)
+    assert last.count(0, 3, 3) == 1 and last.count(3, 4, 3) == 0
+    assert CaptureSpec("c", (SITE,), "all_generated").count(2, 5, 3) == 2
 
 
 def test_store_orders_positions_and_keeps_the_latest_recompute() -> None:

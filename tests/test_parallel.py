@@ -17,7 +17,10 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 STEERING = vinterp.Steering(
     {"layers.1.output": torch.randn(256, generator=torch.Generator().manual_seed(3))}, scale=3.0
 )
-CAPTURE = vinterp.Capture(["layers.*.output", "layers.2.mlp.output"], positions="all")
+CAPTURE = vinterp.Capture(
+    ["embed.output", "layers.*.output", "layers.2.mlp.output", "final_norm.output"],
+    positions="all",
+)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -187,9 +190,13 @@ def test_parallel_equals_single_worker(
     llm = engines.vllm(tiny_llama, **layout)
     outs = llm.generate(PROMPTS, **SAMPLING)
     assert [o.token_ids for o in outs] == single_worker_tokens
-    tokens, captures, saves = fast_path_results(llm)
-    want_tokens, want_captures, want_saves = single_worker_fast
-    assert tokens == want_tokens and tokens != single_worker_tokens  # steered, on every stage
+    assert_fast_path_equal(fast_path_results(llm), single_worker_fast, single_worker_tokens)
+
+
+def assert_fast_path_equal(got: tuple, want: tuple, unsteered: list) -> None:
+    tokens, captures, saves = got
+    want_tokens, want_captures, want_saves = want
+    assert tokens == want_tokens and tokens != unsteered  # steered, on every stage
     for got, want in zip(captures, want_captures):
         assert list(got) == list(want)  # every stage's sites, merged
         for site in want:
@@ -259,10 +266,18 @@ def test_pipeline_state_is_freed_after_traces(engines, tiny_llama) -> None:
         assert per_stage["requests"] <= 1
 
 
-def test_tensor_and_pipeline_parallel_together(engines, tiny_llama, single_worker_probe) -> None:
-    """TP=2 x PP=2 (four workers): values cross stages, TP gathers inside each stage."""
-    llm = engines.vllm(tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2)
+def test_tensor_and_pipeline_parallel_together(
+    engines, tiny_llama, single_worker_tokens, single_worker_fast, single_worker_probe
+) -> None:
+    """TP=2 x PP=2 (four workers): values cross stages, TP gathers inside each stage; with
+    capture_in_graph, each stage's capture buffers hold its own sites, one TP rank sends."""
+    llm = engines.vllm(
+        tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2, capture_in_graph=True
+    )
     assert_results_equal(cross_stage(llm), single_worker_probe[2])
+    before = llm.step_stats()["graph_capture_steps"]
+    assert_fast_path_equal(fast_path_results(llm), single_worker_fast, single_worker_tokens)
+    assert llm.step_stats()["graph_capture_steps"] > before
 
 
 def test_tensor_parallel_qwen2_equals_hf(engines) -> None:

@@ -18,7 +18,10 @@ def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
     argv = vllm_serve_argv("m", "127.0.0.1", 8123, "k", ["--max-model-len", "512"])
     assert argv[0] == "m" and argv[argv.index("--port") + 1] == "8123"
     assert argv[argv.index("--api-key") + 1] == "k"
-    assert "vinterp_sites" in json.loads(argv[argv.index("--additional-config") + 1])
+    settings = json.loads(argv[argv.index("--additional-config") + 1])
+    assert "vinterp_sites" in settings and not settings["vinterp_capture_in_graph"]
+    on = vllm_serve_argv("m", "h", 1, None, [], capture_in_graph=True)
+    assert json.loads(on[on.index("--additional-config") + 1])["vinterp_capture_in_graph"]
     assert argv[-2:] == ["--max-model-len", "512"]
     assert "--api-key" not in vllm_serve_argv("m", "h", 1, None, [])
 

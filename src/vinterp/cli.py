@@ -80,6 +80,10 @@ def _demo_trace(llm: object, out_dir: Path) -> None:
     print(f"  Italy prompt, patched: top token {top(patched)!r} (saved {tuple(clean.shape)})")
 
 
+# --capture-in-graph: the vinterp engines to time, by their capture_in_graph setting
+CAPTURE_ROUTES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
 def _bench(args: argparse.Namespace) -> None:
     import shlex
     import sys
@@ -115,6 +119,7 @@ def _bench(args: argparse.Namespace) -> None:
         workloads=workloads,
         invokes=size["invokes"],
         progress=progress,
+        capture_in_graph=CAPTURE_ROUTES[args.capture_in_graph],
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
     peer_rows = []
@@ -160,7 +165,7 @@ def _peer_list(text: str) -> list[str]:
 def _serve(args: argparse.Namespace) -> None:
     from vinterp.serve.launch import serve
 
-    serve(args.model, args.host, args.port, args.api_key, args.rest)
+    serve(args.model, args.host, args.port, args.api_key, args.rest, args.capture_in_graph)
 
 
 def _workload_list(text: str) -> list[str]:
@@ -264,6 +269,13 @@ def main(argv: list[str] | None = None) -> None:
         help="every engine's (plain and vinterp); default the model's. On a GPU, 2048 starts "
         "faster than the bundled model's 8192",
     )
+    bench.add_argument(
+        "--capture-in-graph",
+        choices=tuple(CAPTURE_ROUTES),
+        default="off",
+        help="the vinterp engine's capture_in_graph setting; 'both' times the vinterp rows on "
+        "one engine of each, against the same plain vLLM",
+    )
     bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json/.md/.png")
     bench.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
@@ -275,6 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="required as Bearer token on every route")
+    serve.add_argument(
+        "--capture-in-graph",
+        action="store_true",
+        help="capture inside the compiled model (as vinterp.LLM(capture_in_graph=True))",
+    )
     serve.set_defaults(run=_serve)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":

@@ -79,6 +79,11 @@ class LLM(LocalModel):
     backends, so the engine and the reference compute in the same precision. `sites` maps
     site keys (embed, layers, final_norm, lm_head, attn, mlp) to module paths for models
     whose modules are named differently from the supported families.
+
+    vLLM backend: `capture_in_graph=True` captures inside the compiled model, so capturing
+    steps keep vLLM's CUDA graphs (steps with more captured rows than `max_num_seqs` still
+    leave them); it adds a few small kernels per site to every step, captured or not. Other
+    keyword arguments are vLLM's engine arguments.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class LLM(LocalModel):
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
+            engine_kwargs.pop("capture_in_graph", None)  # one process, no graphs: nothing to do
             from vinterp.engine.hf_engine import HFEngine
 
             self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from vinterp.bench.harness import (
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
 EAGER = "eager"
+IN_GRAPH = " [capture_in_graph]"  # rows of an engine started with capture_in_graph=True
 # Row keys `vinterp bench --workloads` selects from, in the order they run.
 WORKLOADS = (
     EAGER,
@@ -126,10 +128,13 @@ def run(
     workloads: list[str] | None = None,
     invokes: int = 256,
     progress: Callable[[str], None] = lambda _: None,
+    capture_in_graph: tuple[bool, ...] = (False,),
     **engine_kwargs: Any,
 ) -> list[Row]:
     """Rows for the selected `workloads` keys (default all), each engine shut down before
     the next starts; `progress(key)` is called as each selected key is done or skipped.
+    The vinterp rows run on one engine per `capture_in_graph` value (both capture routes
+    against the same plain-vLLM time); the in-graph engine's row names say so.
     `engine_kwargs` (e.g. max_model_len) go to every engine, plain and vinterp alike."""
     import vinterp
 
@@ -163,12 +168,17 @@ def run(
     done(*pipeline.KEYS)
     if not selected & set(WORKLOADS[1:]) - set(pipeline.KEYS):
         return rows
-    llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
-    try:
-        rows += vinterp_rows(llm, texts, max_tokens, repeats, baseline, selected, invokes, done)
-    finally:
-        llm.shutdown()
-        free_memory()
+    for in_graph in capture_in_graph:
+        llm = vinterp.LLM(model, dtype=dtype, capture_in_graph=in_graph, **engine_kwargs)
+        last = in_graph == capture_in_graph[-1]
+        try:
+            timed = vinterp_rows(
+                llm, texts, max_tokens, repeats, baseline, selected, invokes, done if last else None
+            )
+        finally:
+            llm.shutdown()
+            free_memory()
+        rows += [replace(r, name=r.name + IN_GRAPH) for r in timed] if in_graph else timed
     return rows
 
 
@@ -180,7 +190,7 @@ def vinterp_rows(
     baseline: Timing,
     selected: set[str],
     invokes: int = 256,
-    done: Callable[..., None] = lambda *_: None,
+    done: Callable[..., None] | None = None,
 ) -> list[Row]:
     """The selected fast-path rows (timed interleaved on `llm`) and the trace row, each
     against `baseline`, plain vLLM's time for the same prompts."""
@@ -196,6 +206,7 @@ def vinterp_rows(
     timings = timed_interleaved({key: generate(kw) for key, _, kw in chosen}, repeats)
     size, tokens = f" ({len(texts)}x{max_tokens})", len(texts) * max_tokens
     rows = []
+    done = done or (lambda *_: None)
     for key, name, _ in chosen:
         rows.append(Row(name + size, baseline, timings[key], target(key), key, tokens))
         done(key)

@@ -109,10 +109,12 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def device_kind() -> str:
-    """'cuda' when a CUDA GPU is visible, else 'cpu' (the keys of TARGETS)."""
+    """'cuda' when a CUDA GPU is visible, else 'cpu' (the keys of TARGETS). Asks NVML
+    (`device_count`), not the CUDA driver: a driver initialised in this process before vLLM
+    forks its engine process can hang that process's first pinned allocation."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
 
 def target(key: str) -> float:
@@ -125,7 +127,7 @@ def free_memory() -> None:
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # else this process holds no GPU memory (see device_kind)
         torch.cuda.empty_cache()
 
 

@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 CONFIG_KEY = "vinterp_sites"
+CAPTURE_IN_GRAPH_KEY = "vinterp_capture_in_graph"  # capture buffers in the compiled model
 
 
 def wants_sites(runner: Any) -> bool:

@@ -7,7 +7,8 @@ Every runner gets the same four hooks, placed where that runner exposes them:
   `_determine_batch_execution_and_padding(force_eager=...)`, V2: `dispatch_cg_and_sync_dp(
   need_eager=...)`) and the model's forward skips the compiled code (vLLM's own
   `skip_compiled` switch), so the Python at the sites runs;
-- the batch layout, once the runner has built it: `runtime.begin_step`;
+- the batch layout, once the runner has built it: `runtime.begin_step`; the forward queued,
+  after `execute_model`: `runtime.end_step`;
 - logits and sampled tokens, outside the model (`compute_logits`, the sampler).
 A runner of another kind is refused at engine start: running it without these hooks would
 silently skip interventions.
@@ -63,6 +64,7 @@ def instrument(runner: Any, runtime: WorkerRuntime) -> None:
             if received is not None:  # from the previous pipeline stage
                 runtime.pipeline.take(received)
             output = original(scheduler_output, *args, **kwargs)
+            runtime.end_step()
             if runtime.python_step and isinstance(output, IntermediateTensors):
                 output.tensors.update(runtime.pipeline.pack(runtime.slots))  # to the next
             return output

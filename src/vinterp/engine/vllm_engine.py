@@ -10,7 +10,7 @@ from typing import Any
 
 from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
-from vinterp.engine.plugin import CONFIG_KEY
+from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CONFIG_KEY
 from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
@@ -21,7 +21,7 @@ from vinterp.wire.graph import to_wire
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 5
+SITES_LAYOUT_VERSION = 6
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,13 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
         )
 
 
-def vinterp_engine_settings(site_paths: dict[str, str] | None = None) -> dict[str, Any]:
+def vinterp_engine_settings(
+    site_paths: dict[str, str] | None = None, capture_in_graph: bool = False
+) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
-    tokens), a fixed seed."""
+    tokens), a fixed seed. `capture_in_graph` puts capture buffers into the compiled model
+    (`fastpath.capture_buffers`)."""
     return {
         "enable_prefix_caching": False,
         "seed": 0,
@@ -64,6 +67,7 @@ def vinterp_engine_settings(site_paths: dict[str, str] | None = None) -> dict[st
             # the plugin installs sites where this key is; part of the compile-cache key
             CONFIG_KEY: SITES_LAYOUT_VERSION,
             "vinterp_site_paths": site_paths or {},
+            CAPTURE_IN_GRAPH_KEY: capture_in_graph,
         },
     }
 
@@ -85,7 +89,7 @@ def engine_arguments(
         "dtype": dtype,
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
-        **vinterp_engine_settings(site_paths),
+        **vinterp_engine_settings(site_paths, bool(engine_kwargs.pop("capture_in_graph", False))),
         **engine_kwargs,
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY
 from vinterp.engine.runner_hooks import instrument, runner_kind
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.runtime.vllm_runtime import WorkerRuntime
@@ -43,11 +44,17 @@ def install_on_runner(runner: Any) -> None:
     runner_kind(runner)  # refuses a runner vinterp cannot follow, before anything else
     config = runner.model_config.hf_config
     model = runner.get_model()
-    overrides = (runner.vllm_config.additional_config or {}).get("vinterp_site_paths")
-    modules = find_site_modules(model, config.model_type, overrides, backend="vllm")
+    settings = runner.vllm_config.additional_config or {}
+    modules = find_site_modules(
+        model, config.model_type, settings.get("vinterp_site_paths"), backend="vllm"
+    )
     order = SiteOrder(int(config.num_hidden_layers))
     steer = steer_buffers_for(runner, len(order.sites))
-    install_vllm_sites(modules, order, steer)
+    # in-graph capture: one row per sequence covers last_prompt and decoding for a full batch
+    capture_rows = runner.vllm_config.scheduler_config.max_num_seqs
+    capture = install_vllm_sites(
+        modules, order, steer, capture_rows if settings.get(CAPTURE_IN_GRAPH_KEY) else 0
+    )
     from vllm.distributed import get_tensor_model_parallel_rank
 
     runtime = WorkerRuntime(
@@ -55,6 +62,7 @@ def install_on_runner(runner: Any) -> None:
         modules,
         order,
         steer,
+        capture,
         ships_results=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
     )
     instrument(runner, runtime)

@@ -28,7 +28,12 @@ class CaptureStore:
         self._chunks: dict[str, dict[str, list[_Chunk]]] = defaultdict(lambda: defaultdict(list))
 
     def record_site(self, site: str, capture: SiteCapture, value: torch.Tensor) -> None:
+        """Gather this step's recorded rows of a site's whole value."""
         gathered = value.detach().index_select(0, capture.rows.to(value.device))
+        self.add_gathered(site, capture, gathered)
+
+    def add_gathered(self, site: str, capture: SiteCapture, gathered: torch.Tensor) -> None:
+        """Keep a site's rows of one step, already gathered in `capture.rows`' order."""
         start = 0
         for capture_id, positions in capture.parts:
             self._chunks[capture_id][site].append((gathered, start, positions))

@@ -152,17 +152,17 @@ class CaptureSpec:
             positions = frozenset(_positions(positions, "capture.positions"))
         return cls(obj["id"], sites, positions)
 
-    def wants_any(self, first: int, end: int, prompt_len: int) -> bool:
-        """Whether any position in first..end-1 is captured (decides how a step runs)."""
+    def count(self, first: int, end: int, prompt_len: int) -> int:
+        """How many positions in first..end-1 are captured (decides how a step runs)."""
         if isinstance(self.positions, frozenset):
-            return any(first <= p < end for p in self.positions)
+            return sum(first <= p < end for p in self.positions)
         if self.positions == "last_prompt":
-            return first <= prompt_len - 1 < end
+            return int(first <= prompt_len - 1 < end)
         if self.positions == "all_prompt":
-            return first < prompt_len
+            return max(0, min(end, prompt_len) - first)
         if self.positions == "all_generated":
-            return end > prompt_len
-        return True
+            return max(0, end - max(first, prompt_len))
+        return end - first
 
     def wants(self, position: int, prompt_len: int) -> bool:
         if isinstance(self.positions, frozenset):

@@ -17,6 +17,7 @@ import torch
 
 from vinterp.fastpath.specs import SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers, SteerTables
+from vinterp.fastpath.uploads import upload
 from vinterp.sites.names import SiteOrder
 
 
@@ -174,18 +175,10 @@ class SteeringState:
             )
             return
         if plan.site_rows is not None:
-            _upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
-            _upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
-            _upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
+            upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
+            upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
+            upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
             self._loaded_key = plan.key
         if not np.array_equal(token_combo, self._on_device):
-            _upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
+            upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
             self._on_device = token_combo
-
-
-def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Host-to-device copy that does not wait for the device (pinned source on a GPU)."""
-    if dst.device.type == "cpu":
-        dst.copy_(src)
-    else:
-        dst.copy_(src.pin_memory(), non_blocking=True)

@@ -1,8 +1,9 @@
 """The fast path inside a worker: global and named steering specs, capture tables and store.
 
 Steering itself runs in the compiled model (`steer_buffers`, planned by `steer_tables`);
-captures are recorded by the site handlers in the steps that capture, after steering, so
-they hold the values the model computes.
+captures are recorded after steering, so they hold the values the model computes: by the
+site handlers in the steps that capture uncompiled, or by the compiled model into capture
+buffers (`capture_buffers`) and kept after the step.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vinterp.fastpath.capture_buffers import CaptureBuffers
 from vinterp.fastpath.capture_store import CaptureStore
 from vinterp.fastpath.specs import CaptureSpec, RequestFast, SteerSpec, decode_request
 from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
@@ -59,6 +61,14 @@ class FastPath:
         capture = self.capture_tables.get(site)
         if capture is not None:
             self.store.record_site(site, capture, value)
+
+    def keep_gathered(self, buffers: CaptureBuffers) -> None:
+        """Store this step's rows that the compiled model gathered into `buffers` (at the sites
+        this worker holds: other pipeline stages keep theirs)."""
+        for site, capture in self.capture_tables.items():
+            site_id = self.order[site]
+            if site_id in buffers.site_ids:
+                self.store.add_gathered(site, capture, buffers.gathered(site_id, len(capture.rows)))
 
     def take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
         return self.store.take(capture_ids) if self.captures_here else {}

@@ -1,8 +1,9 @@
 """What runs at every standardized site inside vLLM's model.
 
-Two parts, so that graph replay never skips an intervention:
+Up to three parts, so that graph replay never skips an intervention:
 - steering, as plain tensor ops on persistent buffers (`fastpath.steer_buffers`): compiled
   into the model and replayed in CUDA graphs, so it holds in every step;
+- with `capture_in_graph`, capture the same way (`fastpath.capture_buffers`), after steering;
 - Python handlers (traces, captures, raw hooks), called only in the steps that vinterp runs
   uncompiled (the runner hooks decide per step, before vLLM picks the graph mode). Under
   torch.compile the handler branch is not traced at all: the compiled model holds nothing
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from vinterp.fastpath.capture_buffers import CaptureBuffers
 from vinterp.fastpath.steer_buffers import SteerBuffers
 
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
@@ -38,9 +40,14 @@ def _python_step() -> bool:
     return not torch.compiler.is_compiling() and PYTHON.active
 
 
-def plain_site(steer: SteerBuffers, site_id: int, x: torch.Tensor) -> torch.Tensor:
-    """A (tokens, H) site: steering, then (in uncompiled steps) the Python handler."""
+def plain_site(
+    steer: SteerBuffers, capture: CaptureBuffers | None, site_id: int, x: torch.Tensor
+) -> torch.Tensor:
+    """A (tokens, H) site: steering, capture into buffers, then (in uncompiled steps) the
+    Python handler."""
     x = steer(site_id, x)
+    if capture is not None:
+        capture(site_id, x)
     if _python_step() and PYTHON.site is not None:
         out = PYTHON.site(site_id, x)
         if out is not None:
@@ -49,11 +56,17 @@ def plain_site(steer: SteerBuffers, site_id: int, x: torch.Tensor) -> torch.Tens
 
 
 def stream_site(
-    steer: SteerBuffers, site_id: int, hidden: torch.Tensor, residual: torch.Tensor
+    steer: SteerBuffers,
+    capture: CaptureBuffers | None,
+    site_id: int,
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's residual stream as (hidden, residual), whose sum is the HF block output:
     steering goes into the residual part, norm-matched against the sum."""
     residual = steer(site_id, residual, norm_of=hidden + residual)
+    if capture is not None:
+        capture(site_id, hidden, plus=residual)
     if _python_step() and PYTHON.stream is not None:
         out = PYTHON.stream(site_id, hidden, residual)
         if out is not None:

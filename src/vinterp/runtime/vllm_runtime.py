@@ -4,10 +4,13 @@ request, how each step runs, and the handlers the sites call.
 Per step, in the order the runner hooks (`engine.runner_hooks`) call them:
 - `on_schedule(scheduler_output)`: before vLLM picks the step's graph mode. Steering is
   planned; the step is marked to run uncompiled (Python at the sites) when a traced or
-  capturing request has work in it, and only then.
+  capturing request has work in it, and only then — except captures that fit the capture
+  buffers of a `capture_in_graph` engine, which keep the graphs.
 - `begin_step(layout)`: once the runner has laid the batch out. The steering buffers are
-  written; in an uncompiled step the traced invokes get their row slices (`Slot`s) and the
-  capture tables are built.
+  written and the capture tables built (and written to the capture buffers); in an
+  uncompiled step the traced invokes get their row slices (`Slot`s).
+- `end_step()`: once the forward is queued. Rows gathered into the capture buffers are
+  copied into the capture store.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.specs import FAST_KEY, RequestFast
+from vinterp.fastpath.capture_buffers import CaptureBuffers
+from vinterp.fastpath.specs import FAST_KEY, CaptureSpec, RequestFast
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan
@@ -74,6 +78,7 @@ class WorkerRuntime:
         modules: SiteModules,
         order: SiteOrder,
         steer: SteerBuffers,
+        capture: CaptureBuffers | None = None,
         ships_results: bool = True,
     ) -> None:
         self.runner = runner
@@ -96,7 +101,9 @@ class WorkerRuntime:
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
         self.num_tokens = 0
-        self.stats = {"steps": 0, "uncompiled_steps": 0}
+        self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
+        self.capture_buffers = capture
+        self.graph_capture_step = False  # this step captures through the capture buffers
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
         self.fast = FastPath(ships_results, order, steer.add.shape[1])
@@ -181,11 +188,12 @@ class WorkerRuntime:
             if req_id in self.requests:
                 self.requests[req_id].num_computed = computed
         scheduled = scheduler_output.num_scheduled_tokens
-        python = any(
-            self._needs_python(self.requests[r], scheduled[r])
-            for r in self.python_candidates
-            if r in scheduled
-        )
+        python, captured_rows = False, 0
+        for req_id in self.python_candidates:
+            if req_id in scheduled:
+                req = self.requests[req_id]
+                python = python or self._traces_now(req, scheduled[req_id])
+                captured_rows += self._captured_rows(req, scheduled[req_id])
         same_decode_batch = (
             self.steering_decodes_only
             and self.planned_version == self.fast.version
@@ -204,10 +212,16 @@ class WorkerRuntime:
             self.steering_decodes_only = all(
                 r.num_tokens == 1 and r.first >= r.steering.prompt_len for r in steered
             )
-        python = python or self.steering_overflows
+        buffers = self.capture_buffers
+        in_graph = buffers is not None and 0 < captured_rows <= buffers.max_rows
+        python = python or self.steering_overflows or (captured_rows > 0 and not in_graph)
+        self.graph_capture_step = in_graph and not python
+        if buffers is not None:
+            buffers.active = self.graph_capture_step
         PYTHON.active = python
         self.stats["steps"] += 1
         self.stats["uncompiled_steps"] += python
+        self.stats["graph_capture_steps"] += self.graph_capture_step
         return python
 
     def _steering(self, req: Scheduled) -> RequestSteering | None:
@@ -230,36 +244,53 @@ class WorkerRuntime:
         prompt_len = len(new.prompt_token_ids or [])
         return Scheduled(prompt_len, new.num_computed_tokens, fast, trace)
 
-    def _needs_python(self, req: Scheduled, num_tokens: int) -> bool:
-        if req.trace is not None:
-            run = self.traces.get(req.trace[0])
-            if run is not None and run.works_at(req.trace[1], req.step(num_tokens)):
-                return True
+    def _traces_now(self, req: Scheduled, num_tokens: int) -> bool:
+        if req.trace is None:
+            return False
+        run = self.traces.get(req.trace[0])
+        return run is not None and run.works_at(req.trace[1], req.step(num_tokens))
+
+    @staticmethod
+    def _captured_rows(req: Scheduled, num_tokens: int) -> int:
         capture = req.fast.capture if req.fast else None
-        end = req.num_computed + num_tokens
-        return capture is not None and capture.wants_any(req.num_computed, end, req.prompt_len)
+        if capture is None:
+            return 0
+        return capture.count(req.num_computed, req.num_computed + num_tokens, req.prompt_len)
 
     def begin_step(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
         """Rows of this step's requests in batch order: (req id, first row, end row)."""
         self.steering.write(layout, num_tokens)
         self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
+        capturing = self.python_step or self.graph_capture_step
+        self.fast.begin_capture_step(self._captures(layout) if capturing else [])
+        if self.capture_buffers is not None:  # also empties the index after a capturing step
+            tables = self.fast.capture_tables if self.graph_capture_step else {}
+            self.capture_buffers.write({self.order[s]: t for s, t in tables.items()})
         if not self.python_step:
             return
-        captures = []
         for row, (req_id, start, end) in enumerate(layout):
             req = self.requests.get(req_id)
-            if req is None:
-                continue
-            if req.fast is not None and req.fast.capture is not None:
-                span = RowSpan(start, end, req.num_computed, req.prompt_len)
-                captures.append((span, req.fast.capture))
-            if req.trace is not None and req.trace[0] in self.traces:
+            if req is not None and req.trace is not None and req.trace[0] in self.traces:
                 self._add_slot(req, row, start, end)
-        self.fast.begin_capture_step(captures)
         self.pipeline.deliver(self.slots)
         for slot in self.slots:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
+
+    def _captures(self, layout: list[tuple[str, int, int]]) -> list[tuple[RowSpan, CaptureSpec]]:
+        """This step's capturing requests: their rows and capture specs."""
+        captures = []
+        for req_id, start, end in layout:
+            req = self.requests.get(req_id)
+            if req is not None and req.fast is not None and req.fast.capture is not None:
+                span = RowSpan(start, end, req.num_computed, req.prompt_len)
+                captures.append((span, req.fast.capture))
+        return captures
+
+    def end_step(self) -> None:
+        """After the forward is queued: keep what the capture buffers gathered."""
+        if self.graph_capture_step and self.capture_buffers is not None:
+            self.fast.keep_gathered(self.capture_buffers)
 
     def _add_slot(self, req: Scheduled, row: int, start: int, end: int) -> None:
         trace_id, invoke = req.trace  # type: ignore[misc]

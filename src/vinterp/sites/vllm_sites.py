@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from vinterp.fastpath.capture_buffers import CaptureBuffers
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.runtime.site_ops import plain_site, stream_site
 from vinterp.sites.modules import SiteModules
@@ -25,6 +26,7 @@ from vinterp.sites.names import SiteOrder
 
 _HIDDEN_KWARGS = ("hidden_states", "x")
 BUFFERS_NAME = "vinterp_steer"
+CAPTURE_NAME = "vinterp_capture"
 
 
 @dataclass
@@ -38,27 +40,27 @@ class SiteIO:
 
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
-    steer = getattr(module, BUFFERS_NAME)
+    steer, capture = getattr(module, BUFFERS_NAME), getattr(module, CAPTURE_NAME)
     if io.stream:
         positions, hidden, residual = args
         if residual is None:
-            hidden = plain_site(steer, io.input_id, hidden)
+            hidden = plain_site(steer, capture, io.input_id, hidden)
         else:
-            hidden, residual = stream_site(steer, io.input_id, hidden, residual)
+            hidden, residual = stream_site(steer, capture, io.input_id, hidden, residual)
         hidden, residual = inner(module, positions, hidden, residual, **kwargs)
-        return stream_site(steer, io.output_id, hidden, residual)
+        return stream_site(steer, capture, io.output_id, hidden, residual)
     if io.input_id is not None:
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
-            kwargs = {**kwargs, key: plain_site(steer, io.input_id, kwargs[key])}
+            kwargs = {**kwargs, key: plain_site(steer, capture, io.input_id, kwargs[key])}
         else:
-            args = (plain_site(steer, io.input_id, args[0]), *args[1:])
+            args = (plain_site(steer, capture, io.input_id, args[0]), *args[1:])
     out = inner(module, *args, **kwargs)
     if io.output_id is None:
         return out
     if isinstance(out, tuple):
-        return (plain_site(steer, io.output_id, out[0]), *out[1:])
-    return plain_site(steer, io.output_id, out)
+        return (plain_site(steer, capture, io.output_id, out[0]), *out[1:])
+    return plain_site(steer, capture, io.output_id, out)
 
 
 _SUBCLASSES: dict[tuple[type, str], type] = {}
@@ -77,11 +79,18 @@ def _site_class(cls: type, method: str) -> type:
     return _SUBCLASSES[cls, method]
 
 
-def _add_sites(module: nn.Module, steer: SteerBuffers, method: str = "forward", **io: Any) -> None:
+def _add_sites(
+    module: nn.Module,
+    steer: SteerBuffers,
+    capture: CaptureBuffers | None,
+    method: str,
+    io: dict[str, Any],
+) -> None:
     if getattr(module, "_vinterp_io", None) is None:
         module.__class__ = _site_class(type(module), method)
         module._vinterp_io = SiteIO()
         module.add_module(BUFFERS_NAME, steer)
+        module.add_module(CAPTURE_NAME, capture)
     for key, value in io.items():
         setattr(module._vinterp_io, key, value)
 
@@ -90,22 +99,51 @@ def _passes_residual(layer: nn.Module) -> bool:
     return "residual" in inspect.signature(layer.forward).parameters
 
 
-def install_vllm_sites(modules: SiteModules, order: SiteOrder, steer: SteerBuffers) -> None:
-    """Give every site module of a vLLM model its sites, all reading `steer`."""
-    _add_sites(modules.embed, steer, modules.embed_method, output_id=order["embed.output"])
+def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module, str, dict]]:
+    """(module, method, its SiteIO fields) for every site this worker's model holds (a
+    pipeline stage holds its own layers; the embedding and final norm of other stages are
+    placeholders)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    placed: list[tuple[nn.Module, str, dict]] = []
+    if not isinstance(modules.embed, PPMissingLayer):
+        placed.append((modules.embed, modules.embed_method, {"output_id": order["embed.output"]}))
     for i, layer in enumerate(modules.layers):
         if not modules.holds_layer(layer):
             continue
-        stream = _passes_residual(layer)
-        _add_sites(modules.attn(layer), steer, input_id=order[f"layers.{i}.attn.input"])
-        _add_sites(modules.attn(layer), steer, output_id=order[f"layers.{i}.attn.output"])
-        _add_sites(modules.mlp_input(layer), steer, input_id=order[f"layers.{i}.mlp.input"])
-        _add_sites(modules.mlp_output(layer), steer, output_id=order[f"layers.{i}.mlp.output"])
-        _add_sites(
-            layer,
-            steer,
-            input_id=order[f"layers.{i}.input"],
-            output_id=order[f"layers.{i}.output"],
-            stream=stream,
+        placed += [
+            (modules.attn(layer), "forward", {"input_id": order[f"layers.{i}.attn.input"]}),
+            (modules.attn(layer), "forward", {"output_id": order[f"layers.{i}.attn.output"]}),
+            (modules.mlp_input(layer), "forward", {"input_id": order[f"layers.{i}.mlp.input"]}),
+            (modules.mlp_output(layer), "forward", {"output_id": order[f"layers.{i}.mlp.output"]}),
+            (
+                layer,
+                "forward",
+                {
+                    "input_id": order[f"layers.{i}.input"],
+                    "output_id": order[f"layers.{i}.output"],
+                    "stream": _passes_residual(layer),
+                },
+            ),
+        ]
+    if not isinstance(modules.final_norm, PPMissingLayer):
+        placed.append((modules.final_norm, "forward", {"output_id": order["final_norm.output"]}))
+    return placed
+
+
+def install_vllm_sites(
+    modules: SiteModules, order: SiteOrder, steer: SteerBuffers, capture_rows: int = 0
+) -> CaptureBuffers | None:
+    """Give every site module of a vLLM model its sites, all reading `steer`; with
+    `capture_rows`, also capture buffers of that many rows for each site held (returned)."""
+    placed = _placements(modules, order)
+    capture = None
+    if capture_rows:
+        held = sorted({v for _, _, io in placed for k, v in io.items() if k.endswith("_id")})
+        add = steer.add
+        capture = CaptureBuffers(
+            len(order.sites), held, capture_rows, add.shape[1], add.dtype, add.device
         )
-    _add_sites(modules.final_norm, steer, output_id=order["final_norm.output"])
+    for module, method, io in placed:
+        _add_sites(module, steer, capture, method, io)
+    return capture

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from vinterp.bench.fastpath import PROMPT_TEMPLATE
+from vinterp.bench.harness import device_kind
 
 from . import runner
 from .check import verdict
@@ -62,7 +63,7 @@ def run(
 ) -> list[PeerRow]:
     """A row per (workload, tool), vinterp's first; `progress(tool)` after each tool. Each
     tool's process output goes to `log_dir/<module>.log` (default: a temporary directory)."""
-    if not torch.cuda.is_available():  # the vLLM-based peers get vinterp's CPU engine settings
+    if device_kind() == "cpu":  # the vLLM-based peers get vinterp's CPU engine settings
         from vinterp.engine.cpu_settings import configure_cpu_environment
 
         configure_cpu_environment(1)
