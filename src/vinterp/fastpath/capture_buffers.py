@@ -37,9 +37,8 @@ class CaptureBuffers(nn.Module):
     ) -> None:
         super().__init__()
         self.max_rows = max_rows
-        self.register_buffer(
-            "index", torch.zeros(num_sites, max_rows, dtype=torch.int32, device=device), False
-        )
+        index = torch.zeros(num_sites, max_rows, dtype=torch.int32, device=device)
+        self.register_buffer("index", index, persistent=False)
         self.site_ids = frozenset(site_ids)  # the sites this worker's model holds (PP: its stage's)
         for site_id in site_ids:
             rows = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)

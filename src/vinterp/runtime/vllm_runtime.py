@@ -103,7 +103,6 @@ class WorkerRuntime:
         self.num_tokens = 0
         self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
         self.capture_buffers = capture
-        self.graph_capture_step = False  # this step captures through the capture buffers
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
         self.fast = FastPath(ships_results, order, steer.add.shape[1])
@@ -169,6 +168,11 @@ class WorkerRuntime:
         """Whether this step runs uncompiled, with Python at the sites."""
         return PYTHON.active
 
+    @property
+    def graph_capture_step(self) -> bool:
+        """Whether this step captures through the capture buffers (in the compiled model)."""
+        return self.capture_buffers is not None and self.capture_buffers.active
+
     # -- per step -----------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> bool:
         """Track the scheduled requests, plan steering; whether this step runs uncompiled.
@@ -215,9 +219,8 @@ class WorkerRuntime:
         buffers = self.capture_buffers
         in_graph = buffers is not None and 0 < captured_rows <= buffers.max_rows
         python = python or self.steering_overflows or (captured_rows > 0 and not in_graph)
-        self.graph_capture_step = in_graph and not python
         if buffers is not None:
-            buffers.active = self.graph_capture_step
+            buffers.active = in_graph and not python
         PYTHON.active = python
         self.stats["steps"] += 1
         self.stats["uncompiled_steps"] += python
@@ -289,8 +292,9 @@ class WorkerRuntime:
 
     def end_step(self) -> None:
         """After the forward is queued: keep what the capture buffers gathered."""
-        if self.graph_capture_step and self.capture_buffers is not None:
-            self.fast.keep_gathered(self.capture_buffers)
+        buffers = self.capture_buffers
+        if buffers is not None and buffers.active:
+            self.fast.keep_gathered(buffers)
 
     def _add_slot(self, req: Scheduled, row: int, start: int, end: int) -> None:
         trace_id, invoke = req.trace  # type: ignore[misc]
