@@ -1,9 +1,11 @@
-"""Steering, and capture with `capture_in_graph=True`, are compiled into the model: such
-steps call no Python at any site.
+"""Steering, and capture with `capture_in_graph`, are compiled into the model: such steps
+call no Python at any site.
 
 The engine runs in the script's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker),
 so the script can replace the site handlers with ones that raise. Steered and captured
-generation must still succeed, run no uncompiled step, and equal the HF reference.
+generation must still succeed, run no uncompiled step, and equal the HF reference. The engine
+has capture buffers at the captured sites only: a capture elsewhere (handlers restored) runs
+its steps uncompiled and equals the reference too.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import vinterp
+from vinterp.sites.names import UnknownSiteError
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
-CAPTURED = ["layers.*.output", "layers.1.mlp.output", "embed.output"]
+CAPTURED = ["layers.*.output", "layers.1.mlp.output", "embed.output"]  # the buffers' sites
+OUTSIDE = "layers.0.attn.output"  # a site without a buffer
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, vinterp
@@ -30,7 +35,8 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         path, prompts, captured = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-        llm = vinterp.LLM(path, capture_in_graph=True)
+        llm = vinterp.LLM(path, capture_in_graph=captured)
+        handlers = site_ops.PYTHON.site, site_ops.PYTHON.stream
         site_ops.PYTHON.site = site_ops.PYTHON.stream = forbidden
         v = torch.randn(256, generator=torch.Generator().manual_seed(3))
         st = vinterp.Steering({"layers.2.output": v, "layers.1.mlp.output": v}, scale=6.0)
@@ -42,6 +48,11 @@ SCRIPT = textwrap.dedent(
         captures = [{s: c.tolist() for s, c in o.captures.items()} for o in out]
         print("CAPTURES", json.dumps(captures), flush=True)
         print("CAPTURE_STATS", json.dumps(llm.step_stats()), flush=True)
+        site_ops.PYTHON.site, site_ops.PYTHON.stream = handlers
+        cap = vinterp.Capture(sys.argv[4], positions="all")
+        out = llm.generate(prompts, max_tokens=4, steering=st, capture=cap)
+        print("OUTSIDE", json.dumps([o.captures[sys.argv[4]].tolist() for o in out]), flush=True)
+        print("OUTSIDE_STATS", json.dumps(llm.step_stats()), flush=True)
         llm.shutdown()
     """
 )
@@ -51,7 +62,15 @@ def test_steered_and_captured_steps_call_no_python_at_sites(engines, tiny_llama)
     engines.release()  # one engine at a time: the script starts its own
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_llama), json.dumps(PROMPTS), json.dumps(CAPTURED)],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(tiny_llama),
+            json.dumps(PROMPTS),
+            json.dumps(CAPTURED),
+            OUTSIDE,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -76,6 +95,26 @@ def test_steered_and_captured_steps_call_no_python_at_sites(engines, tiny_llama)
     for got, ref in zip(captured, hf.generate(PROMPTS, max_tokens=4, steering=st, capture=cap)):
         assert sorted(got) == sorted(ref.captures)
         for site, value in ref.captures.items():
-            mine = torch.tensor(got[site], dtype=value.dtype)
-            assert mine.shape == value.shape, site
-            assert float((mine - value).norm() / value.norm()) < 1e-4, site
+            assert_close(got[site], value, site)
+    outside_stats = json.loads(lines["OUTSIDE_STATS"])
+    assert outside_stats["uncompiled_steps"] >= 4  # the prompt and 3 decoding steps capture
+    assert outside_stats["graph_capture_steps"] == capture_stats["graph_capture_steps"]
+    cap = vinterp.Capture(OUTSIDE, positions="all")
+    refs = hf.generate(PROMPTS, max_tokens=4, steering=st, capture=cap)
+    for got, ref in zip(json.loads(lines["OUTSIDE"]), refs):
+        assert_close(got, ref.captures[OUTSIDE], OUTSIDE)
+
+
+def assert_close(got: list, want: torch.Tensor, site: str) -> None:
+    mine = torch.tensor(got, dtype=want.dtype)
+    assert mine.shape == want.shape, site
+    assert float((mine - want).norm() / want.norm()) < 1e-4, site
+
+
+def test_capture_buffers_at_unknown_sites_are_refused_before_the_engine_starts(
+    tiny_llama,
+) -> None:
+    with pytest.raises(UnknownSiteError, match="layers.9"):
+        vinterp.LLM(tiny_llama, capture_in_graph="layers.9.output")
+    with pytest.raises(TypeError, match="capture_in_graph"):
+        vinterp.LLM(tiny_llama, capture_in_graph=3)

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vinterp.fastpath.capture_buffers import CaptureBuffers
+from vinterp.fastpath.capture_buffers import CaptureBuffers, buffer_setting, buffer_site_ids
 from vinterp.fastpath.capture_store import CaptureStore, merge_captures
 from vinterp.fastpath.specs import CaptureSpec, SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
 from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.tensors import tensor_from_wire
 
 SITE = "layers.1.output"
@@ -119,11 +119,17 @@ def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
         return gm.forward
 
     site, stream = ORDER[SITE], ORDER["layers.0.output"]
-    bufs = CaptureBuffers(len(ORDER.sites), [site, stream], 4, H, torch.float32, "cpu")
+    other_stage, unchosen = ORDER["embed.output"], ORDER["layers.0.mlp.output"]
+    chosen = frozenset({site, stream, other_stage})
+    held = [site, stream, unchosen]  # this worker's sites (a pipeline stage)
+    bufs = CaptureBuffers(len(ORDER.sites), chosen, held, 4, H, torch.float32, "cpu")
+    assert bufs.site_ids == {site, stream}
+    assert not hasattr(bufs, f"rows_{unchosen}") and not hasattr(bufs, f"rows_{other_stage}")
 
     def model(x: torch.Tensor) -> torch.Tensor:
         bufs(site, x)
         bufs(stream, x, plus=2 * x)
+        bufs(unchosen, x)  # no buffer: nothing to gather
         return x + 1
 
     fn = torch.compile(model, backend=backend, fullgraph=True)
@@ -140,6 +146,22 @@ def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
     bufs.active = True  # uncompiled, as an enforce_eager engine runs it
     model(x[:1])  # one token: every gather reads row 0
     assert torch.equal(bufs.gathered(site, 1), x[:1])
+
+
+def test_capture_buffer_sites_follow_the_setting() -> None:
+    """True: every site; names and patterns: those sites; a wrong type or name: an error that
+    says what to give."""
+    assert buffer_site_ids(buffer_setting(True), ORDER) == set(range(len(ORDER.sites)))
+    assert buffer_site_ids(buffer_setting(False), ORDER) == set()
+    layers = buffer_site_ids(buffer_setting("layers.*.output"), ORDER)
+    assert layers == {ORDER["layers.0.output"], ORDER["layers.1.output"]}
+    both = buffer_site_ids(buffer_setting(["embed.output", "layers.1.output"]), ORDER)
+    assert both == {ORDER["embed.output"], ORDER["layers.1.output"]}
+    for wrong in ([], 3, [1], None):
+        with pytest.raises(TypeError, match="layers"):
+            buffer_setting(wrong)
+    with pytest.raises(UnknownSiteError, match="layers.7"):
+        buffer_site_ids(["layers.7.output"], ORDER)
 
 
 @given(

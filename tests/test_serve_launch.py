@@ -13,6 +13,8 @@ import pytest
 from vinterp.serve.launch import allow_routes_plugin, vllm_serve_argv
 from vinterp.serve.routes import PLUGIN_NAME
 
+SITES = "layers.*.output"
+
 
 def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
     argv = vllm_serve_argv("m", "127.0.0.1", 8123, "k", ["--max-model-len", "512"])
@@ -24,6 +26,32 @@ def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
     assert json.loads(on[on.index("--additional-config") + 1])["vinterp_capture_in_graph"]
     assert argv[-2:] == ["--max-model-len", "512"]
     assert "--api-key" not in vllm_serve_argv("m", "h", 1, None, [])
+
+
+@pytest.mark.parametrize(
+    "flags, setting",
+    [
+        ([], False),
+        (["--capture-in-graph"], True),
+        (["--capture-in-graph", "embed.output,layers.*.output"], ["embed.output", SITES]),
+    ],
+)
+def test_the_capture_in_graph_flag_reaches_the_engine_config(monkeypatch, flags, setting) -> None:
+    """`vinterp serve [--capture-in-graph [SITES]]`: what the workers read (the server is not
+    started: vLLM's serve command is replaced by one that keeps its arguments)."""
+    import vinterp.serve.launch as launch
+    from vinterp.cli import main
+
+    seen = []
+    monkeypatch.setattr(
+        launch, "serve", lambda model, host, port, key, rest, capture: seen.append((rest, capture))
+    )
+    main(["serve", "m", *flags, "--max-model-len", "64"])
+    ((rest, capture),) = seen
+    assert rest == ["--max-model-len", "64"]
+    argv = vllm_serve_argv("m", "h", 1, None, rest, capture)
+    config = json.loads(argv[argv.index("--additional-config") + 1])
+    assert config["vinterp_capture_in_graph"] == setting
 
 
 @pytest.mark.parametrize(

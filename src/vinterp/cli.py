@@ -289,8 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--api-key", default=None, help="required as Bearer token on every route")
     serve.add_argument(
         "--capture-in-graph",
-        action="store_true",
-        help="capture inside the compiled model (as vinterp.LLM(capture_in_graph=True))",
+        nargs="?",
+        const=True,
+        default=False,
+        type=lambda text: [s for s in text.split(",") if s],
+        metavar="SITES",
+        help="capture inside the compiled model, at every site or at the comma-separated SITES "
+        "(as vinterp.LLM(capture_in_graph=True or [sites]))",
     )
     serve.set_defaults(run=_serve)
     args, rest = parser.parse_known_args(argv)

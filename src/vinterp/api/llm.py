@@ -46,9 +46,10 @@ class LocalModel(TraceFrontEnd):
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         check_site_paths(self.config.model_type, sites)
         if backend == "vllm":
-            from vinterp.engine.vllm_engine import check_native_model
+            from vinterp.engine.vllm_engine import check_capture_in_graph, check_native_model
 
             check_native_model(self.config, engine_kwargs)
+            check_capture_in_graph(self.config, engine_kwargs)
         return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
 
     @property
@@ -82,8 +83,10 @@ class LLM(LocalModel):
 
     vLLM backend: `capture_in_graph=True` captures inside the compiled model, so capturing
     steps keep vLLM's CUDA graphs (steps with more captured rows than `max_num_seqs` still
-    leave them); it adds a few small kernels per site to every step, captured or not. Other
-    keyword arguments are vLLM's engine arguments.
+    leave them); it adds a gather per site to every step, captured or not. Naming the sites
+    (`capture_in_graph="layers.*.output"`, or a list) limits that price to them; captures of
+    other sites leave the graphs for their steps. Other keyword arguments are vLLM's engine
+    arguments.
     """
 
     def __init__(

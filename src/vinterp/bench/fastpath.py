@@ -57,12 +57,10 @@ def plain_vllm(
     """A `vllm.LLM` without vinterp's plugin or site ops, with vinterp's engine settings
     (and `engine_kwargs`); shut down (and memory freed) when the block ends."""
     import vllm
-    from vllm.platforms import current_platform
 
-    from vinterp.engine.cpu_settings import configure_cpu_environment
+    from vinterp.engine.platform_settings import configure_engine_environment
 
-    if current_platform.is_cpu():
-        configure_cpu_environment(1)
+    configure_engine_environment(1)
     llm = vllm.LLM(
         model=str(model),
         dtype=dtype,

@@ -8,28 +8,30 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from vinterp.engine.cpu_settings import configure_cpu_environment
 from vinterp.engine.outputs import Output
+from vinterp.engine.platform_settings import configure_engine_environment
 from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CONFIG_KEY
+from vinterp.fastpath.capture_buffers import buffer_setting, buffer_site_ids
 from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
+from vinterp.sites.names import SiteOrder
 from vinterp.wire.graph import to_wire
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 6
+SITES_LAYOUT_VERSION = 7
 
 log = logging.getLogger(__name__)
 
 
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
+def check_capture_in_graph(config: Any, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse a wrong `capture_in_graph` before the engine starts (the workers would)."""
+    setting = buffer_setting(engine_kwargs.get("capture_in_graph", False))
+    buffer_site_ids(setting, SiteOrder(int(config.num_hidden_layers)))
 
 
 def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
@@ -53,12 +55,12 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
 
 
 def vinterp_engine_settings(
-    site_paths: dict[str, str] | None = None, capture_in_graph: bool = False
+    site_paths: dict[str, str] | None = None, capture_in_graph: bool | str | list[str] = False
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
-    tokens), a fixed seed. `capture_in_graph` puts capture buffers into the compiled model
-    (`fastpath.capture_buffers`)."""
+    tokens), a fixed seed. `capture_in_graph` (True, or the sites) puts capture buffers into
+    the compiled model (`fastpath.capture_buffers`)."""
     return {
         "enable_prefix_caching": False,
         "seed": 0,
@@ -67,7 +69,7 @@ def vinterp_engine_settings(
             # the plugin installs sites where this key is; part of the compile-cache key
             CONFIG_KEY: SITES_LAYOUT_VERSION,
             "vinterp_site_paths": site_paths or {},
-            CAPTURE_IN_GRAPH_KEY: capture_in_graph,
+            CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
         },
     }
 
@@ -80,16 +82,15 @@ def engine_arguments(
     site_paths: dict[str, str] | None,
     engine_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
-    """vLLM's engine arguments for a vinterp engine (sync and async alike); on a CPU, this
-    machine's settings for that many workers first."""
-    if _on_cpu():
-        configure_cpu_environment(tensor_parallel_size * pipeline_parallel_size)
+    """vLLM's engine arguments for a vinterp engine (sync and async alike), after the
+    platform's settings for that many workers."""
+    configure_engine_environment(tensor_parallel_size * pipeline_parallel_size)
     return {
         "model": str(model),
         "dtype": dtype,
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
-        **vinterp_engine_settings(site_paths, bool(engine_kwargs.pop("capture_in_graph", False))),
+        **vinterp_engine_settings(site_paths, engine_kwargs.pop("capture_in_graph", False)),
         **engine_kwargs,
     }
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY
 from vinterp.engine.runner_hooks import instrument, runner_kind
+from vinterp.fastpath.capture_buffers import buffer_site_ids
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.runtime.vllm_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules
@@ -52,9 +53,8 @@ def install_on_runner(runner: Any) -> None:
     steer = steer_buffers_for(runner, len(order.sites))
     # in-graph capture: one row per sequence covers last_prompt and decoding for a full batch
     capture_rows = runner.vllm_config.scheduler_config.max_num_seqs
-    capture = install_vllm_sites(
-        modules, order, steer, capture_rows if settings.get(CAPTURE_IN_GRAPH_KEY) else 0
-    )
+    capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
+    capture = install_vllm_sites(modules, order, steer, capture_rows, capture_sites)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     runtime = WorkerRuntime(

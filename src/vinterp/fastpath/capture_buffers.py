@@ -1,6 +1,6 @@
-"""Capture inside the compiled model (`vinterp.LLM(capture_in_graph=True)`): every site
-gathers a fixed number of rows into its own persistent buffer, so capturing steps keep
-vLLM's CUDA graphs.
+"""Capture inside the compiled model (`vinterp.LLM(capture_in_graph=True)`, or the sites a
+user names: `capture_in_graph="layers.*.output"`): every such site gathers a fixed number of
+rows into its own persistent buffer, so capturing steps keep vLLM's CUDA graphs.
 
 At each site the compiled model runs
 
@@ -11,7 +11,8 @@ graph: the batch rows each site records, the rest 0. After the step the runner c
 first rows of each captured site's buffer into the capture store. The gathers run in every
 step (a graph cannot skip them), which is the price of this route: a few small kernels per
 site even when nothing is captured, against leaving graph replay for every capturing step.
-A step that needs more rows than the buffers hold, or that also runs a trace, takes the
+Naming sites cuts that price (and the buffers' memory) to theirs. A step that needs more rows
+than the buffers hold, captures a site without a buffer, or also runs a trace, takes the
 uncompiled route instead.
 """
 
@@ -23,13 +24,43 @@ from torch import nn
 
 from vinterp.fastpath.tables import SiteCapture
 from vinterp.fastpath.uploads import upload
+from vinterp.sites.names import SiteOrder
+
+BufferSetting = bool | list[str]  # every site / none, or site names and patterns
+
+
+def buffer_setting(value: object) -> BufferSetting:
+    """`capture_in_graph` as the engine's config carries it (JSON): True, False, or a list of
+    site names and patterns."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(
+        f"capture_in_graph={value!r}: give True (buffers at every site), False (none), or the "
+        "sites to capture in the graph, e.g. 'layers.*.output' or ['embed.output', "
+        "'layers.*.output']"
+    )
+
+
+def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
+    """The sites that get capture buffers, on every worker (a pipeline stage holds some of
+    them). An unknown name raises `UnknownSiteError`, which says what would be right."""
+    if setting is True:
+        return frozenset(range(len(order.sites)))
+    if not setting:
+        return frozenset()
+    return frozenset(order[site] for pattern in setting for site in order.expand(pattern))
 
 
 class CaptureBuffers(nn.Module):
     def __init__(
         self,
         num_sites: int,
-        site_ids: list[int],
+        chosen: frozenset[int],
+        held: list[int],
         max_rows: int,
         hidden_size: int,
         dtype: torch.dtype,
@@ -39,8 +70,9 @@ class CaptureBuffers(nn.Module):
         self.max_rows = max_rows
         index = torch.zeros(num_sites, max_rows, dtype=torch.int32, device=device)
         self.register_buffer("index", index, persistent=False)
-        self.site_ids = frozenset(site_ids)  # the sites this worker's model holds (PP: its stage's)
-        for site_id in site_ids:
+        self.chosen = chosen  # the sites with buffers, on any worker: a capture elsewhere leaves
+        self.site_ids = chosen.intersection(held)  # those this worker's model holds (PP: a stage)
+        for site_id in sorted(self.site_ids):
             rows = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             self.register_buffer(f"rows_{site_id}", rows, persistent=False)
         self.active = False  # whether this step captures through the buffers
@@ -48,7 +80,10 @@ class CaptureBuffers(nn.Module):
 
     def forward(self, site_id: int, x: torch.Tensor, plus: torch.Tensor | None = None) -> None:
         """Gather this step's rows of `x` (+ `plus`: the residual stream's other part) at
-        `site_id`. An uncompiled step that does not capture this way skips it."""
+        `site_id`. A site without a buffer, and an uncompiled step that does not capture this
+        way, skip it."""
+        if site_id not in self.site_ids:
+            return
         if not torch.compiler.is_compiling() and not self.active:
             return
         index = self.index[site_id]

@@ -5,7 +5,7 @@ Per step, in the order the runner hooks (`engine.runner_hooks`) call them:
 - `on_schedule(scheduler_output)`: before vLLM picks the step's graph mode. Steering is
   planned; the step is marked to run uncompiled (Python at the sites) when a traced or
   capturing request has work in it, and only then — except captures that fit the capture
-  buffers of a `capture_in_graph` engine, which keep the graphs.
+  buffers of a `capture_in_graph` engine (rows and sites), which keep the graphs.
 - `begin_step(layout)`: once the runner has laid the batch out. The steering buffers are
   written and the capture tables built (and written to the capture buffers); in an
   uncompiled step the traced invokes get their row slices (`Slot`s).
@@ -52,6 +52,7 @@ class Scheduled:
     trace: tuple[str, int] | None  # (trace id, invoke)
     steering: RequestSteering | None = None  # as of `steering_version` of the fast path
     steering_version: int = -1
+    captures_in_buffers: bool = False  # every site it captures has a capture buffer
 
     def step(self, num_tokens: int) -> int:
         """The generation step this forward runs (0: the prompt; k: samples token k+1)."""
@@ -192,12 +193,14 @@ class WorkerRuntime:
             if req_id in self.requests:
                 self.requests[req_id].num_computed = computed
         scheduled = scheduler_output.num_scheduled_tokens
-        python, captured_rows = False, 0
+        python, captured_rows, outside_buffers = False, 0, False
         for req_id in self.python_candidates:
             if req_id in scheduled:
                 req = self.requests[req_id]
                 python = python or self._traces_now(req, scheduled[req_id])
-                captured_rows += self._captured_rows(req, scheduled[req_id])
+                rows = self._captured_rows(req, scheduled[req_id])
+                captured_rows += rows
+                outside_buffers = outside_buffers or (rows > 0 and not req.captures_in_buffers)
         same_decode_batch = (
             self.steering_decodes_only
             and self.planned_version == self.fast.version
@@ -217,7 +220,9 @@ class WorkerRuntime:
                 r.num_tokens == 1 and r.first >= r.steering.prompt_len for r in steered
             )
         buffers = self.capture_buffers
-        in_graph = buffers is not None and 0 < captured_rows <= buffers.max_rows
+        in_graph = (
+            buffers is not None and not outside_buffers and 0 < captured_rows <= buffers.max_rows
+        )
         python = python or self.steering_overflows or (captured_rows > 0 and not in_graph)
         if buffers is not None:
             buffers.active = in_graph and not python
@@ -245,7 +250,11 @@ class WorkerRuntime:
         traced = extra.get(EXTRA_ARGS_KEY)
         trace = (traced["trace"], int(traced["invoke"])) if traced else None
         prompt_len = len(new.prompt_token_ids or [])
-        return Scheduled(prompt_len, new.num_computed_tokens, fast, trace)
+        scheduled = Scheduled(prompt_len, new.num_computed_tokens, fast, trace)
+        if fast is not None and fast.capture is not None and self.capture_buffers is not None:
+            chosen = self.capture_buffers.chosen
+            scheduled.captures_in_buffers = all(self.order[s] in chosen for s in fast.capture.sites)
+        return scheduled
 
     def _traces_now(self, req: Scheduled, num_tokens: int) -> bool:
         if req.trace is None:

@@ -18,7 +18,7 @@ def vllm_serve_argv(
     port: int,
     api_key: str | None,
     rest: list[str],
-    capture_in_graph: bool = False,
+    capture_in_graph: bool | str | list[str] = False,
 ) -> list[str]:
     """The arguments of `vllm serve` for a vinterp server."""
     settings = vinterp_engine_settings(capture_in_graph=capture_in_graph)
@@ -68,7 +68,7 @@ def serve(
     port: int,
     api_key: str | None,
     rest: list[str],
-    capture_in_graph: bool = False,
+    capture_in_graph: bool | str | list[str] = False,
 ) -> None:
     """Run the server in this process until it is stopped (the bundled model by default).
     Goes through vLLM's `serve` subcommand itself, not its `vllm` entry point (which needs a
@@ -76,24 +76,26 @@ def serve(
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.logger import configure_logging_from_args
-    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vinterp.engine.cpu_settings import configure_cpu_environment
+    from vinterp.engine.platform_settings import configure_engine_environment
 
     if model is None:
         from vinterp.models import bundled
 
         model = str(bundled())
-    if current_platform.is_cpu():
-        configure_cpu_environment(1)
+    configure_engine_environment(1)
     allow_routes_plugin()
-    if not any(arg.split("=")[0] == "--dtype" for arg in rest):  # as vinterp.LLM: the checkpoint's
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
+    from vinterp.engine.vllm_engine import check_capture_in_graph
+
+    config = AutoConfig.from_pretrained(model)
+    check_capture_in_graph(config, {"capture_in_graph": capture_in_graph})
+    if not any(arg.split("=")[0] == "--dtype" for arg in rest):  # as vinterp.LLM: the checkpoint's
         from vinterp.api.llm import checkpoint_dtype
 
-        rest = [*rest, "--dtype", checkpoint_dtype(AutoConfig.from_pretrained(model))]
+        rest = [*rest, "--dtype", checkpoint_dtype(config)]
     parser = make_arg_parser(FlexibleArgumentParser(prog="vinterp serve"))
     args = parser.parse_args(vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph))
     configure_logging_from_args(args)

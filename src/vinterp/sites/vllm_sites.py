@@ -132,17 +132,22 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
 
 
 def install_vllm_sites(
-    modules: SiteModules, order: SiteOrder, steer: SteerBuffers, capture_rows: int = 0
+    modules: SiteModules,
+    order: SiteOrder,
+    steer: SteerBuffers,
+    capture_rows: int = 0,
+    capture_sites: frozenset[int] = frozenset(),
 ) -> CaptureBuffers | None:
     """Give every site module of a vLLM model its sites, all reading `steer`; with
-    `capture_rows`, also capture buffers of that many rows for each site held (returned)."""
+    `capture_sites`, also capture buffers of `capture_rows` rows for those of them this
+    model holds (returned)."""
     placed = _placements(modules, order)
     capture = None
-    if capture_rows:
+    if capture_sites:
         held = sorted({v for _, _, io in placed for k, v in io.items() if k.endswith("_id")})
         add = steer.add
         capture = CaptureBuffers(
-            len(order.sites), held, capture_rows, add.shape[1], add.dtype, add.device
+            len(order.sites), capture_sites, held, capture_rows, add.shape[1], add.dtype, add.device
         )
     for module, method, io in placed:
         _add_sites(module, steer, capture, method, io)

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from vinterp.bench.fastpath import PROMPT_TEMPLATE
-from vinterp.bench.harness import device_kind
 
 from . import runner
 from .check import verdict
@@ -63,10 +62,9 @@ def run(
 ) -> list[PeerRow]:
     """A row per (workload, tool), vinterp's first; `progress(tool)` after each tool. Each
     tool's process output goes to `log_dir/<module>.log` (default: a temporary directory)."""
-    if device_kind() == "cpu":  # the vLLM-based peers get vinterp's CPU engine settings
-        from vinterp.engine.cpu_settings import configure_cpu_environment
+    from vinterp.engine.platform_settings import configure_engine_environment
 
-        configure_cpu_environment(1)
+    configure_engine_environment(1)  # the vLLM-based peers get vinterp's engine settings
     task_list, vector = tasks(model, sizes, repeats)
     references: dict[str, Result] = {}
     rows: list[PeerRow] = []
