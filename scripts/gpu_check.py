@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --model bundled|llama1b --out DIR [--runner v1|v2]
                                 [--stages plain,plain_eager,A,B,C] [--keep DIR]
+                                [--check-applied]
 
 Each stage's results are kept under --keep (default /tmp/gpu_check/MODEL-RUNNER), so the
 stages can run in separate calls (each engine start costs a minute or more) and be compared
@@ -15,6 +16,9 @@ CUDA graphs and `capture_in_graph=True`, all in bfloat16. A, B and C run the sam
 B) and writes DIR/gpu_check.json.
 bf16 tolerance: captures and saves within 2e-2 relative error, greedy tokens equal for at least
 7 of 8 prompts (one late token may flip); the numbers are printed either way.
+With --check-applied every vinterp engine counts on the GPU what its site ops applied, inside
+the replayed graphs, and raises where a step applied less than it asked for (an engine error
+in the table); its timings then include a wait per step.
 """
 
 from __future__ import annotations
@@ -264,6 +268,9 @@ def main() -> None:
     parser.add_argument("--stages", default="plain,plain_eager,A,B")
     parser.add_argument("--keep", type=Path, default=None)
     parser.add_argument(
+        "--check-applied", action="store_true", help="vinterp engines check what they applied"
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=2048,
@@ -275,6 +282,8 @@ def main() -> None:
     stages = set(args.stages.split(","))
     if args.runner == "v1":  # before vllm is imported (vinterp imports it lazily)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if args.check_applied:
+        os.environ["VINTERP_CHECK_APPLIED"] = "1"
     args.out.mkdir(parents=True, exist_ok=True)
     from vinterp.bench.harness import machine_info
 
@@ -332,7 +341,11 @@ def main() -> None:
     failed = [c for c, _, ok in checks if not ok]
     log(f"\n{len(checks) - len(failed)}/{len(checks)} checks ok; engine errors: {sorted(errors)}")
     doc = {
-        "machine": {**machine_info(DTYPE, path), "runner": args.runner or "vllm default"},
+        "machine": {
+            **machine_info(DTYPE, path),
+            "runner": args.runner or "vllm default",
+            "check_applied": args.check_applied,
+        },
         "checks": [{"check": c, "numbers": n, "ok": ok} for c, n, ok in checks],
         "timing_s": timing,
         "norm": norm,

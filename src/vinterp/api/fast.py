@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from vinterp.api.errors import InterventionError
 from vinterp.api.specs import Capture, Request, Steering
+from vinterp.fastpath.specs import CaptureSpec
 from vinterp.sites.names import SiteOrder, UnknownSiteError, parse_site
 
 if TYPE_CHECKING:
@@ -135,14 +137,26 @@ def _is_token_ids(value: list[Any]) -> bool:
 
 
 def captured_tensors(
-    rows: dict[str, Any], prompt_len: int, generated: int
+    rows: dict[str, Any], prompt_len: int, generated: int, capture: Capture, sites: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
-    """Per site (P, H) rows in position order, limited to tokens the model actually read
-    (a scheduler step past the end would otherwise add one)."""
+    """Per site of `sites`, (P, H) rows in position order, limited to tokens the model
+    actually read (a scheduler step past the end would otherwise add one). A site with fewer
+    rows than `capture` selects is an InterventionError: a capture that was not applied is an
+    error, never an empty or short result (DESIGN.md lesson 11)."""
     read_upto = prompt_len + max(generated - 1, 0)
+    selector = capture.positions
+    selector = selector if isinstance(selector, str) else frozenset(selector)
+    wanted = CaptureSpec("", (), selector).count(0, read_upto, prompt_len)
     tensors, positions = {}, {}
-    for site, data in rows.items():
+    for site in sites:
+        data = rows.get(site, {"positions": [], "values": torch.empty(0, 0)})
         kept = bisect_left(data["positions"], read_upto)  # positions come in order
+        if kept != wanted:
+            raise InterventionError(
+                f"capture of {site} (positions={capture.positions!r}): {kept} of the {wanted} "
+                f"selected positions came back from the engine, for a prompt of {prompt_len} "
+                f"tokens and {generated} generated; the intervention was not applied"
+            )
         tensors[site] = data["values"][:kept]
         positions[site] = data["positions"][:kept]
     return tensors, positions
@@ -165,9 +179,9 @@ def deliver_all(
 def deliver(req: Prepared, out: Output, rows: dict[str, Any], index: int, model: str) -> None:
     """Hand a request's captured rows to its sink."""
     assert req.capture is not None
-    found, found_positions = captured_tensors(rows, len(req.prompt), len(out.token_ids))
-    tensors = {s: found.get(s, torch.empty(0, 0)) for s in req.capture_sites}  # site order
-    positions = {s: found_positions.get(s, []) for s in req.capture_sites}
+    tensors, positions = captured_tensors(
+        rows, len(req.prompt), len(out.token_ids), req.capture, req.capture_sites
+    )
     if req.capture.sink == "memory":
         out.captures = tensors
     elif req.capture.sink == "filesystem":

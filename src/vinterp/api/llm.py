@@ -46,9 +46,14 @@ class LocalModel(TraceFrontEnd):
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         check_site_paths(self.config.model_type, sites)
         if backend == "vllm":
-            from vinterp.engine.vllm_engine import check_capture_in_graph, check_native_model
+            from vinterp.engine.vllm_engine import (
+                check_capture_in_graph,
+                check_engine_features,
+                check_native_model,
+            )
 
             check_native_model(self.config, engine_kwargs)
+            check_engine_features(engine_kwargs)
             check_capture_in_graph(self.config, engine_kwargs)
         return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
 
@@ -85,7 +90,10 @@ class LLM(LocalModel):
     steps keep vLLM's CUDA graphs (steps with more captured rows than `max_num_seqs` still
     leave them); it adds a gather per site to every step, captured or not. Naming the sites
     (`capture_in_graph="layers.*.output"`, or a list) limits that price to them; captures of
-    other sites leave the graphs for their steps. Other keyword arguments are vLLM's engine
+    other sites leave the graphs for their steps. `check_applied=True` (or the environment
+    variable VINTERP_CHECK_APPLIED=1) counts on the device what the site ops applied and
+    raises `InterventionError` when a step applied less than it asked for; it waits for every
+    step, so it is for tests and debugging. Other keyword arguments are vLLM's engine
     arguments.
     """
 
@@ -102,7 +110,8 @@ class LLM(LocalModel):
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
-            engine_kwargs.pop("capture_in_graph", None)  # one process, no graphs: nothing to do
+            for graph_setting in ("capture_in_graph", "check_applied"):  # no graphs to follow
+                engine_kwargs.pop(graph_setting, None)
             from vinterp.engine.hf_engine import HFEngine
 
             self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)

@@ -26,6 +26,12 @@ from vinterp.bench.harness import (
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
 EAGER = "eager"
 IN_GRAPH = " [capture_in_graph]"  # rows of an engine started with capture_in_graph=True
+# Rows at TP=2 (vinterp and plain vLLM, both TP=2): their keys and the one-worker rows they repeat
+TENSOR_PARALLEL = {
+    "tp_idle": "idle",
+    "tp_steer": "steer",
+    "tp_capture_layers_last": "capture_layers_last",
+}
 # Row keys `vinterp bench --workloads` selects from, in the order they run.
 WORKLOADS = (
     EAGER,
@@ -36,6 +42,7 @@ WORKLOADS = (
     "capture_layers_all",
     trace_invokes.KEY,
     *pipeline.KEYS,
+    *TENSOR_PARALLEL,
 )
 
 
@@ -60,7 +67,10 @@ def plain_vllm(
 
     from vinterp.engine.platform_settings import configure_engine_environment
 
-    configure_engine_environment(1)
+    world = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get(
+        "pipeline_parallel_size", 1
+    )
+    configure_engine_environment(world)
     llm = vllm.LLM(
         model=str(model),
         dtype=dtype,
@@ -148,7 +158,7 @@ def run(
             progress(key)
 
     baseline = Timing((0.0,))
-    if selected - {trace_invokes.KEY, *pipeline.KEYS}:  # the others: ratios to plain vLLM
+    if selected - {trace_invokes.KEY, *pipeline.KEYS, *TENSOR_PARALLEL}:  # to plain vLLM
         baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype, **engine_kwargs)
     if EAGER in selected and device_kind() == "cuda":
         eager = plain_vllm_time(
@@ -164,7 +174,18 @@ def run(
     elif selected & set(pipeline.KEYS):
         rows += pipeline.run(model, min(prompts, 64), repeats, dtype, selected)
     done(*pipeline.KEYS)
-    if not selected & set(WORKLOADS[1:]) - set(pipeline.KEYS):
+    if (
+        selected & set(TENSOR_PARALLEL)
+        and device_kind() == "cuda"
+        and torch.cuda.device_count() < 2
+    ):
+        print("TP=2 rows: skipped (one GPU)")
+    elif selected & set(TENSOR_PARALLEL):
+        rows += tensor_parallel_rows(
+            model, texts, max_tokens, repeats, dtype, selected, **engine_kwargs
+        )
+    done(*TENSOR_PARALLEL)
+    if not selected & set(WORKLOADS[1:]) - {*pipeline.KEYS, *TENSOR_PARALLEL}:
         return rows
     for in_graph in capture_in_graph:
         llm = vinterp.LLM(model, dtype=dtype, capture_in_graph=in_graph, **engine_kwargs)
@@ -212,3 +233,30 @@ def vinterp_rows(
         rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
         done(trace_invokes.KEY)
     return rows
+
+
+def tensor_parallel_rows(
+    model: str | Path,
+    texts: list[str],
+    max_tokens: int,
+    repeats: int,
+    dtype: str,
+    selected: set[str],
+    **engine_kwargs: Any,
+) -> list[Row]:
+    """The selected `TENSOR_PARALLEL` rows: vinterp at TP=2 against plain vLLM at TP=2."""
+    import vinterp
+
+    tp = {"tensor_parallel_size": 2, **engine_kwargs}
+    baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype, **tp)
+    llm = vinterp.LLM(model, dtype=dtype, **tp)
+    try:
+        chosen = {TENSOR_PARALLEL[key] for key in selected & set(TENSOR_PARALLEL)}
+        rows = vinterp_rows(llm, texts, max_tokens, repeats, baseline, chosen)
+    finally:
+        llm.shutdown()
+        free_memory()
+    return [
+        replace(r, name=f"{r.name} TP=2", key=f"tp_{r.key}", target=target(f"tp_{r.key}"))
+        for r in rows
+    ]

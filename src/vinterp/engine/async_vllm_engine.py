@@ -15,12 +15,15 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from vinterp.engine.outputs import Output
+from vinterp.engine.plugin import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import (
+    capture_ids_of,
     collected_result,
     engine_arguments,
     fast_params,
     invoke_params,
     to_output,
+    unapplied_error,
     vllm_prompt,
 )
 from vinterp.fastpath.capture_store import merge_captures
@@ -94,6 +97,7 @@ class AsyncVLLMEngine:
             model, dtype, tensor_parallel_size, pipeline_parallel_size, site_paths, engine_kwargs
         )
         arguments.setdefault("disable_log_stats", True)  # as vllm.LLM: no periodic stats lines
+        self.check_applied = arguments["additional_config"][CHECK_APPLIED_KEY]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vinterp-async-engine", daemon=True
@@ -139,9 +143,21 @@ class AsyncVLLMEngine:
             return list(await asyncio.gather(*(one(*a) for a in zip(prompts, sampling, fast))))
 
         try:
-            return await self._on_loop(every())
+            outputs = await self._on_loop(every())
         finally:
             bar.close()
+        await self._check_applied(capture_ids_of(fast))
+        return outputs
+
+    async def _check_applied(self, capture_ids: list[str]) -> None:
+        """As `VLLMEngine._check_applied`; concurrent calls may see each other's findings."""
+        if not self.check_applied:
+            return
+        error = unapplied_error(await self._on_loop(self.llm.collective_rpc("vinterp_unapplied")))
+        if error is not None:
+            if capture_ids:
+                await self.take_captures(capture_ids)
+            raise error
 
     async def stream(
         self, prompt: list[int], sampling: dict[str, Any], fast: dict[str, Any] | None
@@ -201,6 +217,7 @@ class AsyncVLLMEngine:
         outputs, per_worker = await self._on_loop(
             run_trace(self.llm, to_wire(graph), graph, plan, use_tqdm)
         )
+        await self._check_applied([])
         return collected_result(outputs, per_worker)
 
     def shutdown(self) -> None:

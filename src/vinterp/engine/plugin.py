@@ -13,6 +13,7 @@ from typing import Any
 
 CONFIG_KEY = "vinterp_sites"
 CAPTURE_IN_GRAPH_KEY = "vinterp_capture_in_graph"  # capture buffers in the compiled model
+CHECK_APPLIED_KEY = "vinterp_check_applied"  # counters of what the site ops applied
 
 
 def wants_sites(runner: Any) -> bool:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any
 
+from vinterp.api.errors import InterventionError
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
-from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CONFIG_KEY
+from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CHECK_APPLIED_KEY, CONFIG_KEY
 from vinterp.fastpath.capture_buffers import buffer_setting, buffer_site_ids
 from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
@@ -34,6 +36,28 @@ def check_capture_in_graph(config: Any, engine_kwargs: dict[str, Any]) -> None:
     buffer_site_ids(setting, SiteOrder(int(config.num_hidden_layers)))
 
 
+# vLLM engine arguments whose steps vinterp cannot follow: a draft model that runs through the
+# target's sites after the step (speculative decoding), micro-batches on two streams (dual-batch
+# overlap), engines that step apart (data parallelism)
+# name -> (the feature it turns on, its values that leave the feature off)
+UNSUPPORTED_ENGINE_ARGUMENTS = {
+    "speculative_config": ("speculative decoding", (None, {})),
+    "enable_dbo": ("dual-batch overlap", (None, False)),
+    "data_parallel_size": ("data parallelism", (None, 1)),
+}
+
+
+def check_engine_features(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse engine arguments whose steps the sites cannot follow, before the engine starts."""
+    for name, (feature, off) in UNSUPPORTED_ENGINE_ARGUMENTS.items():
+        value = engine_kwargs.get(name)
+        if not any(value is o or (type(value) is type(o) and value == o) for o in off):
+            raise ValueError(
+                f"{name}={value!r}: vinterp does not support {feature} yet (its steps would "
+                f"run past the sites' per-step tables); start the engine without {name}"
+            )
+
+
 def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
     """Refuse models vLLM would run through its Transformers backend.
 
@@ -54,13 +78,22 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
         )
 
 
+# VINTERP_CHECK_APPLIED=1: every engine started without `check_applied` checks (the tests)
+CHECK_APPLIED_ENV = "VINTERP_CHECK_APPLIED"
+
+
 def vinterp_engine_settings(
-    site_paths: dict[str, str] | None = None, capture_in_graph: bool | str | list[str] = False
+    site_paths: dict[str, str] | None = None,
+    capture_in_graph: bool | str | list[str] = False,
+    check_applied: bool | None = None,
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
     tokens), a fixed seed. `capture_in_graph` (True, or the sites) puts capture buffers into
-    the compiled model (`fastpath.capture_buffers`)."""
+    the compiled model (`fastpath.capture_buffers`); `check_applied` counts what the sites
+    applied and checks it after every step (`fastpath.applied`; None: VINTERP_CHECK_APPLIED)."""
+    if check_applied is None:
+        check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
     return {
         "enable_prefix_caching": False,
         "seed": 0,
@@ -70,6 +103,7 @@ def vinterp_engine_settings(
             CONFIG_KEY: SITES_LAYOUT_VERSION,
             "vinterp_site_paths": site_paths or {},
             CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
+            CHECK_APPLIED_KEY: bool(check_applied),
         },
     }
 
@@ -90,7 +124,11 @@ def engine_arguments(
         "dtype": dtype,
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
-        **vinterp_engine_settings(site_paths, engine_kwargs.pop("capture_in_graph", False)),
+        **vinterp_engine_settings(
+            site_paths,
+            engine_kwargs.pop("capture_in_graph", False),
+            engine_kwargs.pop("check_applied", None),
+        ),
         **engine_kwargs,
     }
 
@@ -120,7 +158,9 @@ class VLLMEngine:
         import vllm
 
         sizes = (tensor_parallel_size, pipeline_parallel_size)
-        self.llm = vllm.LLM(**engine_arguments(model, dtype, *sizes, site_paths, engine_kwargs))
+        arguments = engine_arguments(model, dtype, *sizes, site_paths, engine_kwargs)
+        self.check_applied = arguments["additional_config"][CHECK_APPLIED_KEY]
+        self.llm = vllm.LLM(**arguments)
         self._closed = False
         cache_config = self.llm.llm_engine.vllm_config.cache_config
         self._prefix_caching = bool(cache_config.enable_prefix_caching)
@@ -145,7 +185,19 @@ class VLLMEngine:
             params,
             use_tqdm=use_tqdm,
         )
+        self._check_applied(capture_ids_of(fast))
         return [to_output(r) for r in results]
+
+    def _check_applied(self, capture_ids: list[str]) -> None:
+        """With the check on: what the sites did not apply is an error (the call's captures
+        are dropped with it)."""
+        if not self.check_applied:
+            return
+        error = unapplied_error(self.llm.collective_rpc("vinterp_unapplied"))
+        if error is not None:
+            if capture_ids:
+                self.take_captures(capture_ids)
+            raise error
 
     def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
         """Captured rows per capture id and site, merged over workers (PP stages differ)."""
@@ -180,6 +232,7 @@ class VLLMEngine:
                     outputs[k] = to_output(result)
         finally:
             per_worker = self.llm.collective_rpc("vinterp_collect", args=(trace_id,))
+        self._check_applied([])
         return collected_result(outputs, per_worker)
 
     def shutdown(self) -> None:
@@ -208,6 +261,23 @@ def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
     return vllm.SamplingParams(
         **graph.invokes[invoke].sampling,
         extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": invoke}},
+    )
+
+
+def capture_ids_of(fast: list[dict[str, Any] | None]) -> list[str]:
+    """The capture ids in requests' fast-path data."""
+    return [f["capture"]["id"] for f in fast if f and f.get("capture")]
+
+
+def unapplied_error(per_worker: list[list[str]]) -> InterventionError | None:
+    """One error for what the workers' applied checks found (None: everything applied)."""
+    messages = list(dict.fromkeys(m for found in per_worker for m in found))  # TP ranks alike
+    if not messages:
+        return None
+    more = f"; and {len(messages) - 5} more" if len(messages) > 5 else ""
+    return InterventionError(
+        "vinterp's applied check: interventions were not applied, so the results would be "
+        f"wrong: {'; '.join(messages[:5])}{more}"
     )
 
 

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY
+from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CHECK_APPLIED_KEY
 from vinterp.engine.runner_hooks import instrument, runner_kind
+from vinterp.fastpath.applied import AppliedCheck, AppliedCounters
 from vinterp.fastpath.capture_buffers import buffer_site_ids
 from vinterp.fastpath.steer_buffers import SteerBuffers
 from vinterp.runtime.vllm_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules
 from vinterp.sites.names import SiteOrder
-from vinterp.sites.vllm_sites import install_vllm_sites
+from vinterp.sites.vllm_sites import held_site_ids, install_vllm_sites
 
 RUNTIME_ATTR = "_vinterp_runtime"
 
 
-def steer_buffers_for(runner: Any, num_sites: int) -> SteerBuffers:
+def steer_buffers_for(
+    runner: Any, num_sites: int, counters: AppliedCounters | None = None
+) -> SteerBuffers:
     """Buffers sized for the largest step the runner can run (graph padding included)."""
     config = runner.vllm_config
     max_seqs = config.scheduler_config.max_num_seqs
@@ -38,6 +41,7 @@ def steer_buffers_for(runner: Any, num_sites: int) -> SteerBuffers:
         max_rows=2 * max_seqs + 2,
         dtype=runner.model_config.dtype,
         device=runner.device,
+        counters=counters,
     )
 
 
@@ -50,7 +54,10 @@ def install_on_runner(runner: Any) -> None:
         model, config.model_type, settings.get("vinterp_site_paths"), backend="vllm"
     )
     order = SiteOrder(int(config.num_hidden_layers))
-    steer = steer_buffers_for(runner, len(order.sites))
+    counters = None
+    if settings.get(CHECK_APPLIED_KEY, False):
+        counters = AppliedCounters(len(order.sites), runner.device)
+    steer = steer_buffers_for(runner, len(order.sites), counters)
     # in-graph capture: one row per sequence covers last_prompt and decoding for a full batch
     capture_rows = runner.vllm_config.scheduler_config.max_num_seqs
     capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
@@ -64,6 +71,9 @@ def install_on_runner(runner: Any) -> None:
         steer,
         capture,
         ships_results=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
+        check=None
+        if counters is None
+        else AppliedCheck(counters, held_site_ids(modules, order), order),
     )
     instrument(runner, runtime)
     setattr(runner, RUNTIME_ATTR, runtime)
@@ -93,6 +103,11 @@ class VinterpWorkerExtension:
 
     def vinterp_take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
         return self._vinterp.fast.take_captures(capture_ids)
+
+    def vinterp_unapplied(self) -> list[str]:
+        """What the applied check found not applied since the last call (check on)."""
+        check = self._vinterp.check
+        return [] if check is None else check.take()
 
     def vinterp_step_stats(self) -> dict[str, int]:
         return dict(self._vinterp.stats)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vinterp.fastpath.applied import AppliedCounters
 from vinterp.fastpath.tables import SiteCapture
 from vinterp.fastpath.uploads import upload
 from vinterp.sites.names import SiteOrder
@@ -65,9 +66,11 @@ class CaptureBuffers(nn.Module):
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        counters: AppliedCounters | None = None,
     ) -> None:
         super().__init__()
         self.max_rows = max_rows
+        self.counters = counters  # with the check on (`fastpath.applied`)
         index = torch.zeros(num_sites, max_rows, dtype=torch.int32, device=device)
         self.register_buffer("index", index, persistent=False)
         self.chosen = chosen  # the sites with buffers, on any worker: a capture elsewhere leaves
@@ -91,6 +94,8 @@ class CaptureBuffers(nn.Module):
         if plus is not None:
             rows = rows + plus.index_select(0, index)
         getattr(self, f"rows_{site_id}").copy_(rows)
+        if self.counters is not None:
+            self.counters.count_gather(site_id)
 
     def write(self, tables: dict[int, SiteCapture]) -> None:
         """Set `index` for a step: each site's recorded rows by site id (none: all rows 0, so

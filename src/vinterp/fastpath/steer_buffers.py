@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vinterp.fastpath.applied import AppliedCounters
+
 
 @dataclass
 class SteerTables:
@@ -47,8 +49,10 @@ class SteerBuffers(nn.Module):
         max_rows: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        counters: AppliedCounters | None = None,
     ) -> None:
         super().__init__()
+        self.counters = counters  # with the check on (`fastpath.applied`)
 
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -76,6 +80,8 @@ class SteerBuffers(nn.Module):
             return x
         t = self.tables()
         rows = t.site_rows[t.token_combo[: x.shape[0]], site_id]
+        if self.counters is not None:
+            self.counters.count_steered(site_id, rows)
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
         delta = t.add[rows].float() + norm * t.unit[rows].float()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vinterp.fastpath.applied import steered_per_site
 from vinterp.fastpath.specs import SteerSpec
 from vinterp.fastpath.steer_buffers import SteerBuffers, SteerTables
 from vinterp.fastpath.uploads import upload
@@ -125,6 +126,9 @@ class SteeringState:
     # the plan and batch layout the buffers were last filled for: a decode step that repeats
     # them (the common case) has nothing to do
     _written: tuple[SteerPlan | None, list[tuple[str, int, int]]] | None = None
+    # the host copies of what this step's steering reads: (token_combo, site_rows)
+    _step_tables: tuple[np.ndarray, np.ndarray] | None = None
+    _loaded_site_rows: np.ndarray | None = None
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
@@ -155,6 +159,7 @@ class SteeringState:
         if self._written is not None and self._written[0] is plan and self._written[1] == layout:
             return
         self._written = (plan, layout)
+        self._step_tables = None
         if plan is None:
             if len(self._on_device):
                 self.buffers.token_combo[: len(self._on_device)].zero_()
@@ -173,12 +178,20 @@ class SteeringState:
                 plan.add.to(buffers.add),  # type: ignore[union-attr]
                 plan.unit.to(buffers.unit),  # type: ignore[union-attr]
             )
+            self._step_tables = (token_combo, plan.site_rows)  # type: ignore[assignment]
             return
         if plan.site_rows is not None:
             upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
             upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
             upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
-            self._loaded_key = plan.key
+            self._loaded_key, self._loaded_site_rows = plan.key, plan.site_rows
         if not np.array_equal(token_combo, self._on_device):
             upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
             self._on_device = token_combo
+        self._step_tables = (token_combo, self._loaded_site_rows)  # type: ignore[assignment]
+
+    def steered_per_site(self) -> np.ndarray | None:
+        """Per site, the tokens this step's steering steers there (None: no steering)."""
+        if self._step_tables is None:
+            return None
+        return steered_per_site(*self._step_tables)

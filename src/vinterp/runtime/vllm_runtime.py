@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vinterp.fastpath.applied import AppliedCheck
 from vinterp.fastpath.capture_buffers import CaptureBuffers
 from vinterp.fastpath.specs import FAST_KEY, CaptureSpec, RequestFast
 from vinterp.fastpath.steer_buffers import SteerBuffers
@@ -81,8 +82,10 @@ class WorkerRuntime:
         steer: SteerBuffers,
         capture: CaptureBuffers | None = None,
         ships_results: bool = True,
+        check: AppliedCheck | None = None,
     ) -> None:
         self.runner = runner
+        self.check = check  # counts what the sites applied, per step (`fastpath.applied`)
         self.order = order
         self.device = steer.add.device
         head = modules.lm_head
@@ -181,6 +184,8 @@ class WorkerRuntime:
         Most steps repeat the last one: the same requests, each decoding one token. Then the
         steering plan stands and only requests that capture or trace are looked at, so the
         per-step work does not grow with the batch."""
+        if self.check is not None:
+            self.check.begun = False  # a step that raised before its end compares nothing
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.python_candidates.discard(req_id)
@@ -272,6 +277,8 @@ class WorkerRuntime:
     def begin_step(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
         """Rows of this step's requests in batch order: (req id, first row, end row)."""
         self.steering.write(layout, num_tokens)
+        if self.check is not None:
+            self.check.begin()
         self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
         capturing = self.python_step or self.graph_capture_step
         self.fast.begin_capture_step(self._captures(layout) if capturing else [])
@@ -300,10 +307,20 @@ class WorkerRuntime:
         return captures
 
     def end_step(self) -> None:
-        """After the forward is queued: keep what the capture buffers gathered."""
+        """After the forward is queued: keep what the capture buffers gathered; with the
+        check on, compare what the sites applied with what the step asked for."""
         buffers = self.capture_buffers
+        gathers: list[int] = []
         if buffers is not None and buffers.active:
             self.fast.keep_gathered(buffers)
+            gathers = [
+                s
+                for s in map(self.order.__getitem__, self.fast.capture_tables)
+                if s in buffers.site_ids
+            ]
+        if self.check is not None:
+            steered = self.steering.steered_per_site()
+            self.check.end(self.stats["steps"], self.python_step, steered, gathers)
 
     def _add_slot(self, req: Scheduled, row: int, start: int, end: int) -> None:
         trace_id, invoke = req.trace  # type: ignore[misc]
@@ -327,6 +344,8 @@ class WorkerRuntime:
         self.slots.append(Slot(run, trace_id, invoke, step, start, end, row))
 
     def on_site(self, site_id: int, x: torch.Tensor) -> torch.Tensor | None:
+        if self.check is not None:
+            self.check.visit(site_id)
         site = self.order.sites[site_id]
         self.fast.record(site, x)
         out = None
@@ -341,6 +360,8 @@ class WorkerRuntime:
     def on_stream(
         self, site_id: int, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.check is not None:
+            self.check.visit(site_id)
         site = self.order.sites[site_id]
         if site in self.fast.capture_tables:
             self.fast.record(site, hidden + residual)

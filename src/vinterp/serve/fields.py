@@ -12,10 +12,10 @@ import json
 import uuid
 from typing import Any
 
-import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from vinterp.api.errors import InterventionError
 from vinterp.api.fast import Prepared, captured_tensors, check_steering
 from vinterp.api.specs import Capture, Steering
 from vinterp.fastpath.capture_store import merge_captures
@@ -102,8 +102,11 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         served = getattr(request.app.state, "vinterp_steering", None)
         named = served.named if served is not None else {}
         prepared = parse_field(body.pop(FIELD), engine.model_config.hf_config, named)
-        if prepared.capture is not None and (body.get("stream") or _many_prompts(body)):
-            raise FieldError("vinterp.capture: one prompt per request, without streaming")
+        several = _many_prompts(body) or body.get("n") not in (None, 1)
+        if prepared.capture is not None and (body.get("stream") or several):
+            raise FieldError(
+                "vinterp.capture: one prompt and one choice (n=1) per request, without streaming"
+            )
     except (FieldError, WireError, ValueError) as exc:
         message = str(exc)
         return _bad_request(message if message.startswith(FIELD) else f"{FIELD}: {message}")
@@ -118,11 +121,18 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
     rows = await _take_captures(engine, prepared.capture_id)
     usage = data.get("usage") or {}
-    tensors, _ = captured_tensors(
-        rows, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-    )
-    found = {s: tensors.get(s, torch.empty(0, 0)) for s in prepared.capture_sites}
-    data[FIELD] = {"captures": captures_to_json(found)}
+    try:
+        tensors, _ = captured_tensors(
+            rows,
+            int(usage.get("prompt_tokens", 0)),
+            int(usage.get("completion_tokens", 0)),
+            prepared.capture,
+            prepared.capture_sites,
+        )
+    except InterventionError as exc:
+        error = {"message": f"{FIELD}.capture: {exc}", "type": "InterventionError", "code": 500}
+        return JSONResponse({"error": error}, status_code=500)
+    data[FIELD] = {"captures": captures_to_json(tensors)}
     return JSONResponse(data)
 
 

@@ -100,13 +100,16 @@ def _passes_residual(layer: nn.Module) -> bool:
 
 
 def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module, str, dict]]:
-    """(module, method, its SiteIO fields) for every site this worker's model holds (a
-    pipeline stage holds its own layers; the embedding and final norm of other stages are
-    placeholders)."""
+    """(module, method, its SiteIO fields) for every site this worker's model runs: a
+    pipeline stage runs its own layers, the embedding only on the first stage and the final
+    norm only on the last (other stages may build them all the same: tied embeddings, or
+    models that build both everywhere)."""
+    from vllm.distributed import get_pp_group
     from vllm.model_executor.models.utils import PPMissingLayer
 
+    stage = get_pp_group()
     placed: list[tuple[nn.Module, str, dict]] = []
-    if not isinstance(modules.embed, PPMissingLayer):
+    if stage.is_first_rank and not isinstance(modules.embed, PPMissingLayer):
         placed.append((modules.embed, modules.embed_method, {"output_id": order["embed.output"]}))
     for i, layer in enumerate(modules.layers):
         if not modules.holds_layer(layer):
@@ -126,9 +129,15 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
                 },
             ),
         ]
-    if not isinstance(modules.final_norm, PPMissingLayer):
+    if stage.is_last_rank and not isinstance(modules.final_norm, PPMissingLayer):
         placed.append((modules.final_norm, "forward", {"output_id": order["final_norm.output"]}))
     return placed
+
+
+def held_site_ids(modules: SiteModules, order: SiteOrder) -> frozenset[int]:
+    """The sites this worker's model runs (a pipeline stage: its own)."""
+    placed = _placements(modules, order)
+    return frozenset(v for _, _, io in placed for k, v in io.items() if k.endswith("_id"))
 
 
 def install_vllm_sites(
@@ -144,10 +153,16 @@ def install_vllm_sites(
     placed = _placements(modules, order)
     capture = None
     if capture_sites:
-        held = sorted({v for _, _, io in placed for k, v in io.items() if k.endswith("_id")})
         add = steer.add
         capture = CaptureBuffers(
-            len(order.sites), capture_sites, held, capture_rows, add.shape[1], add.dtype, add.device
+            len(order.sites),
+            capture_sites,
+            sorted(held_site_ids(modules, order)),
+            capture_rows,
+            add.shape[1],
+            add.dtype,
+            add.device,
+            steer.counters,
         )
     for module, method, io in placed:
         _add_sites(module, steer, capture, method, io)

@@ -1,0 +1,24 @@
+"""`vinterp bench`'s TP=2 rows: vinterp and plain vLLM at TP=2, each on its own engine."""
+
+from __future__ import annotations
+
+from vinterp.bench import fastpath
+from vinterp.bench.harness import target
+
+
+def test_tensor_parallel_rows_time_vinterp_and_plain_vllm_at_tp2(engines, tiny_llama) -> None:
+    engines.release()  # the rows start their own engines, one at a time
+    rows = fastpath.tensor_parallel_rows(
+        tiny_llama,
+        ["The capital of France is", "One, two,"],
+        2,
+        1,
+        "float32",
+        set(fastpath.TENSOR_PARALLEL),
+        enforce_eager=True,  # the rows' plumbing is under test, not two more compilations
+    )
+    assert [r.key for r in rows] == list(fastpath.TENSOR_PARALLEL)
+    assert all(r.name.endswith("(2x2) TP=2") for r in rows)
+    assert all(r.target == target(r.key) < float("inf") for r in rows)
+    assert all(r.measured.median > 0 and r.baseline.median > 0 for r in rows)
+    assert len({id(r.baseline) for r in rows}) == 1  # one plain vLLM TP=2 time for all
