@@ -5,8 +5,9 @@
 Counts the matmul FLOPs of the two peer workloads of `vinterp bench` (batch extraction: every
 layer at the last prompt token of 256 prompts; steered generation: 64 prompts x 32 tokens),
 measures this machine's float32 matmul rate on the model's own GEMM shapes with torch's
-threads, and prints the time each workload needs at that rate: no tool can run the same
-float32 arithmetic faster. Attention scores over ~15-token prompts are a rounding error here
+threads, and prints the time each workload needs at that rate. The measured rate moves with
+the machine's load; the bound that holds is the cores' peak (docs/BENCH.md). Attention
+scores over ~15-token prompts are a rounding error here
 and are left out.
 """
 
@@ -80,7 +81,7 @@ def main() -> None:
         print(f"float32 matmul rate, {rows} rows: {matmul_rate(config, rows):.0f} GFLOP/s")
     rate = max(matmul_rate(config, rows) for rows in (64, 1024, 4096))
     for name, flops in workloads.items():
-        print(f"{name}: {flops / 1e12:.3f} TFLOP -> at least {flops / rate / 1e9:.2f} s here")
+        print(f"{name}: {flops / 1e12:.3f} TFLOP -> {flops / rate / 1e9:.2f} s at that rate")
 
 
 if __name__ == "__main__":
