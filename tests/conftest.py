@@ -3,6 +3,9 @@ the same configuration (an engine start costs a minute on two cores)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,3 +58,24 @@ def engines() -> Iterator[EnginePool]:
 @pytest.fixture(scope="session")
 def tiny_llama() -> Callable[[], Any]:
     return vinterp.models.tiny("llama")
+
+
+@pytest.fixture(scope="session")
+def engine_script(engines: EnginePool) -> Callable[..., dict[str, str]]:
+    """Runs a script whose vLLM engine lives in the script's own process (so it can reach the
+    loaded model) and returns its output lines as {tag: rest}; `expect` must be among them."""
+
+    def run(script: str, *args: str, expect: str) -> dict[str, str]:
+        engines.release()  # one engine at a time: the script starts its own
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " " in ln)
+        assert proc.returncode == 0 and expect in lines, proc.stderr[-3000:]
+        return lines
+
+    return run

@@ -11,9 +11,6 @@ did not come back.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 SCRIPT = textwrap.dedent(
@@ -62,18 +59,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_interventions_that_were_not_applied_raise(engines, tiny_llama) -> None:
-    engines.release()  # one engine at a time: the script starts its own
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_llama)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " " in ln)
-    assert proc.returncode == 0 and "RESULTS" in lines, proc.stderr[-3000:]
+def test_interventions_that_were_not_applied_raise(engine_script, tiny_llama) -> None:
+    lines = engine_script(SCRIPT, str(tiny_llama), expect="RESULTS")
     results = json.loads(lines["RESULTS"])
     plain = results["plain"]["tokens"]
     steered_layer0 = results["layer0_before"]["tokens"]

@@ -11,9 +11,6 @@ its steps uncompiled and equals the reference too.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -58,26 +55,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_steered_and_captured_steps_call_no_python_at_sites(engines, tiny_llama) -> None:
-    engines.release()  # one engine at a time: the script starts its own
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            SCRIPT,
-            str(tiny_llama),
-            json.dumps(PROMPTS),
-            json.dumps(CAPTURED),
-            OUTSIDE,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_steered_and_captured_steps_call_no_python_at_sites(
+    engines, engine_script, tiny_llama
+) -> None:
+    lines = engine_script(
+        SCRIPT,
+        str(tiny_llama),
+        json.dumps(PROMPTS),
+        json.dumps(CAPTURED),
+        OUTSIDE,
+        expect="TOKENS",
     )
-    lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " " in ln)
-    assert proc.returncode == 0 and "TOKENS" in lines, proc.stderr[-3000:]
     stats = json.loads(lines["STATS"])
     assert stats["steps"] >= 8 and stats["uncompiled_steps"] == 0
     assert stats["graph_capture_steps"] == 0
