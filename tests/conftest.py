@@ -48,6 +48,30 @@ class EnginePool:
         self.llm, self.key = None, None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "engine(name, releases=False): the module uses the shared engine `name`; modules of one"
+        " engine run next to each other, those that stop it (releases=True) last",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that share an engine one after another, so it starts once (a start costs
+    minutes on two cores); the rest keep their order."""
+    first: dict[str, int] = {}
+
+    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, bool, int]:
+        index, item = indexed
+        mark = item.get_closest_marker("engine")
+        if mark is None:
+            return index, False, index
+        group = first.setdefault(mark.args[0], index)
+        return group, bool(mark.kwargs.get("releases", False)), index
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
 @pytest.fixture(scope="session")
 def engines() -> Iterator[EnginePool]:
     pool = EnginePool()

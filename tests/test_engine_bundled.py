@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.engine("bundled")
+
 PROMPTS = [
     "The capital of France is",
     "Water boils at a temperature of",

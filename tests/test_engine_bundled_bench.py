@@ -3,8 +3,12 @@ timings themselves are the bench's business, not a test's)."""
 
 from __future__ import annotations
 
+import pytest
+
 from vinterp.bench import fastpath, trace_invokes
 from vinterp.bench.harness import Timing
+
+pytestmark = pytest.mark.engine("bundled")
 
 
 def test_every_vinterp_row_runs_on_one_engine(engines) -> None:

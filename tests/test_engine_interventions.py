@@ -7,6 +7,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("bundled")
+
 FRANCE, ITALY = "The capital of France is", "The capital of Italy is"
 
 

@@ -7,6 +7,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("bundled")
+
 PROMPT = "The capital of France is"
 DETAIL_LAYERS = (0, 14, 29)
 

@@ -10,6 +10,8 @@ from safetensors import safe_open
 
 import vinterp
 
+pytestmark = pytest.mark.engine("bundled")
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

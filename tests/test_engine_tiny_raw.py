@@ -7,6 +7,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("tiny")
+
 PROMPTS = ["The capital of France is", "Once upon a time there was"]
 
 

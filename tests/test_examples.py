@@ -11,6 +11,8 @@ from types import ModuleType
 import pytest
 import torch
 
+pytestmark = pytest.mark.engine("bundled")
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -18,6 +18,8 @@ from openai import OpenAI
 
 import vinterp
 
+pytestmark = pytest.mark.engine("bundled", releases=True)
+
 KEY = "test-key"
 PROMPT = "The capital of France is"
 SAMPLING = {"max_tokens": 8, "temperature": 0.0}

@@ -39,13 +39,17 @@ def _patch_load_model(runner_cls: Any) -> None:
 
 
 def register() -> None:
-    """Patch the model runners' `load_model` (it installs sites only for vinterp engines)."""
+    """Patch the model runners' `load_model` (it installs sites only for vinterp engines); on
+    the CPU, let vLLM load the compiled model it saved."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+        from vinterp.engine.cpu_compile_cache import patch_aot_loading
+
         _patch_load_model(CPUModelRunner)
+        patch_aot_loading()
     else:  # both GPU runners: V2 (vLLM's default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0)
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
