@@ -5,7 +5,7 @@ script can take one layer's sites out of the loaded model: the failure of a runn
 model has no sites, or of a replayed graph that skips them. Steering, capture and a trace at
 that layer must then raise, naming the site; steering elsewhere still works, and the engine
 keeps serving. With the workers' check off, the front end still refuses a capture whose rows
-did not come back.
+did not come back. An `AsyncLLM.stream` at that layer raises after its last chunk.
 """
 
 from __future__ import annotations
@@ -15,11 +15,28 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch, vinterp
+    import asyncio, json, os, sys, torch, vinterp
 
     def drop_layer_1_sites(worker):
         layer = worker.model_runner.get_model().model.layers[1]
         layer.__class__ = layer._vinterp_base
+
+    async def streamed(path, prompt, v):
+        # the engine core is its own process: the RPC sends the function (cloudpickle)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        allm = vinterp.AsyncLLM(path, enforce_eager=True, check_applied=True)
+        chunks = []
+        try:
+            engine = allm._engine
+            await engine._on_loop(engine.llm.collective_rpc(drop_layer_1_sites))
+            steering = vinterp.Steering({"layers.1.output": v}, scale=8.0)
+            async for out in allm.stream(prompt, steering=steering, max_tokens=3):
+                chunks.append(out.token_ids)
+            return {"chunks": chunks}
+        except vinterp.InterventionError as exc:
+            return {"chunks": chunks, "error": str(exc)}
+        finally:
+            allm.shutdown()
 
     def outcome(fn):
         try:
@@ -53,8 +70,9 @@ SCRIPT = textwrap.dedent(
         llm._engine.check_applied = False  # only the front end's own check is left
         results["capture_unchecked"] = outcome(
             lambda: generate(capture=vinterp.Capture("layers.1.output", positions="all")))
-        print("RESULTS", json.dumps(results), flush=True)
         llm.shutdown()
+        results["stream"] = asyncio.run(streamed(sys.argv[1], prompts[0], v))
+        print("RESULTS", json.dumps(results), flush=True)
     """
 )
 
@@ -77,3 +95,7 @@ def test_interventions_that_were_not_applied_raise(engine_script, tiny_llama) ->
     assert results["plain_after"]["tokens"] == plain  # the engine kept serving, unchanged
     error = results["capture_unchecked"]["error"]
     assert "capture of layers.1.output (positions='all'): 0 of the" in error, error
+    # AsyncLLM.stream: every chunk arrives, then the check after the last one raises
+    stream = results["stream"]
+    assert len(stream["chunks"]) >= 1 and len(stream["chunks"][-1]) == 3
+    assert "steering at layers.1.output reached 0 of the" in stream["error"], stream

@@ -1,11 +1,20 @@
-"""Each supported architecture: every standardized site on vLLM equals transformers."""
+"""Each supported architecture: every standardized site on vLLM equals transformers.
+
+The engines trace each model whole with Dynamo, site ops included, as every engine does, and
+run the traced graph op by op rather than through Inductor (its C++ compile is most of an
+engine start on two cores; Inductor with the site ops is tested on the llama engines), in
+this process (two process starts fewer each).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import vllm.envs
+from vllm.config import CompilationMode
 
 import vinterp
 from vinterp.sites.modules import SUPPORTED
@@ -47,6 +56,21 @@ def write_middle(llm: vinterp.LLM) -> list[int]:
     return tr.outputs[0].token_ids
 
 
+TRACED_NOT_INDUCTOR = {
+    "compilation_config": {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "backend": "eager"}
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_process() -> Iterator[None]:
+    """Engines in this process; an in-process engine freezes vLLM's environment (its envs
+    cache), so it is thawed again for the engines of later modules."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+    vllm.envs.disable_envs_cache()
+
+
 ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]
 WITH_HF_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 PARAMS = ["embed.weight", "lm_head.weight"] + [
@@ -63,14 +87,18 @@ def read_params(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ON_VLLM)
 def test_architecture_sites_equal_hf(engines, arch) -> None:
     path = vinterp.models.tiny(arch)
-    llm, hf = engines.vllm(path), engines.hf(path)
+    llm, hf = engines.vllm(path, **TRACED_NOT_INDUCTOR), engines.hf(path)
     got, want = every_site(llm), every_site(hf)
     for site, value in want.items():
         assert got[site].shape == value.shape, site
         assert rel_err(got[site], value) < 1e-4, site
     for i in range(len(llm.layers) - 1):
         assert torch.equal(got[f"layers.{i}.output"], got[f"layers.{i + 1}.input"])
+    before = llm.step_stats()
     baseline = llm.generate(PROMPT, max_tokens=6, ignore_eos=True)[0].token_ids
+    after = llm.step_stats()  # plain steps ran the traced graph, site ops in it
+    assert after["steps"] > before["steps"]
+    assert after["uncompiled_steps"] == before["uncompiled_steps"]
     steered = write_middle(llm)
     assert steered == write_middle(hf)
     assert steered != baseline

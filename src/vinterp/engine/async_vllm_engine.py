@@ -189,6 +189,7 @@ class AsyncVLLMEngine:
             while True:
                 kind, value = await queue.get()
                 if kind == "end":
+                    await self._check_applied([])  # after the last chunk: all steps ran
                     return
                 if kind == "error":
                     raise value

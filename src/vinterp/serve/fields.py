@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse, Response
 from vinterp.api.errors import InterventionError
 from vinterp.api.fast import Prepared, captured_tensors, check_steering
 from vinterp.api.specs import Capture, Steering
+from vinterp.engine.plugin import CHECK_APPLIED_KEY
+from vinterp.engine.vllm_engine import unapplied_error
 from vinterp.fastpath.capture_store import merge_captures
 from vinterp.fastpath.specs import FAST_KEY
 from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY
@@ -116,24 +118,50 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         body.setdefault("cache_salt", uuid.uuid4().hex)  # computed in full (DESIGN.md lesson 1)
     request._body = json.dumps(body).encode()  # what vLLM's route reads
     response = await call_next(request)
-    if prepared.capture is None or response.status_code != 200:
+    # a streamed answer has gone out before the check could change its status
+    checked = extra is not None and not body.get("stream") and _checks_applied(engine)
+    if response.status_code != 200 or (prepared.capture is None and not checked):
         return response
     data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+    try:
+        if checked:
+            await _raise_unapplied(engine, prepared)
+        if prepared.capture is not None:
+            data[FIELD] = {"captures": await _captures(engine, prepared, data)}
+    except InterventionError as exc:
+        error = {"message": f"{FIELD}: {exc}", "type": "InterventionError", "code": 500}
+        return JSONResponse({"error": error}, status_code=500)
+    return JSONResponse(data)
+
+
+def _checks_applied(engine: Any) -> bool:
+    """Whether the served engine's workers count what their site ops applied
+    (`VINTERP_CHECK_APPLIED=1` when the server started)."""
+    return bool((engine.vllm_config.additional_config or {}).get(CHECK_APPLIED_KEY))
+
+
+async def _raise_unapplied(engine: Any, prepared: Prepared) -> None:
+    """Raise what the workers' checks found (concurrent requests share the findings); a failed
+    request's captures are dropped, not left on the workers."""
+    error = unapplied_error(await engine.collective_rpc("vinterp_unapplied"))
+    if error is not None:
+        if prepared.capture is not None:
+            await _take_captures(engine, prepared.capture_id)
+        raise error
+
+
+async def _captures(engine: Any, prepared: Prepared, data: dict[str, Any]) -> dict[str, Any]:
+    """The request's captured rows as JSON, checked complete against the answer's usage."""
     rows = await _take_captures(engine, prepared.capture_id)
     usage = data.get("usage") or {}
-    try:
-        tensors, _ = captured_tensors(
-            rows,
-            int(usage.get("prompt_tokens", 0)),
-            int(usage.get("completion_tokens", 0)),
-            prepared.capture,
-            prepared.capture_sites,
-        )
-    except InterventionError as exc:
-        error = {"message": f"{FIELD}.capture: {exc}", "type": "InterventionError", "code": 500}
-        return JSONResponse({"error": error}, status_code=500)
-    data[FIELD] = {"captures": captures_to_json(tensors)}
-    return JSONResponse(data)
+    tensors, _ = captured_tensors(
+        rows,
+        int(usage.get("prompt_tokens", 0)),
+        int(usage.get("completion_tokens", 0)),
+        prepared.capture,
+        prepared.capture_sites,
+    )
+    return captures_to_json(tensors)
 
 
 def _many_prompts(body: dict[str, Any]) -> bool:
