@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import vinterp
 from vinterp.bench import fastpath
 from vinterp.bench.harness import target
 
@@ -22,3 +23,11 @@ def test_tensor_parallel_rows_time_vinterp_and_plain_vllm_at_tp2(engines, tiny_l
     assert all(r.target == target(r.key) < float("inf") for r in rows)
     assert all(r.measured.median > 0 and r.baseline.median > 0 for r in rows)
     assert len({id(r.baseline) for r in rows}) == 1  # one plain vLLM TP=2 time for all
+
+
+def test_tensor_parallel_rows_are_skipped_with_the_reason_for_odd_heads(capsys) -> None:
+    """The bundled model's 9 heads cannot split over two workers: `vinterp bench` says so
+    instead of stopping at vLLM's config error (no engine starts)."""
+    rows = fastpath.run(vinterp.models.bundled(), workloads=list(fastpath.TENSOR_PARALLEL))
+    assert rows == []
+    assert "TP=2 rows: skipped (the model's 9 attention heads" in capsys.readouterr().out

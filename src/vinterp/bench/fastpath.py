@@ -57,6 +57,13 @@ def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
     return checkpoint_dtype(AutoConfig.from_pretrained(str(model)))
 
 
+def attention_heads(model: str | Path) -> int:
+    """The checkpoint's attention heads (TP=2 needs an even number: the bundled model has 9)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(model)).num_attention_heads)
+
+
 @contextmanager
 def plain_vllm(
     model: str | Path, dtype: str, enforce_eager: bool = False, **engine_kwargs: Any
@@ -180,6 +187,8 @@ def run(
         and torch.cuda.device_count() < 2
     ):
         print("TP=2 rows: skipped (one GPU)")
+    elif selected & set(TENSOR_PARALLEL) and (heads := attention_heads(model)) % 2:
+        print(f"TP=2 rows: skipped (the model's {heads} attention heads do not split over 2)")
     elif selected & set(TENSOR_PARALLEL):
         rows += tensor_parallel_rows(
             model, texts, max_tokens, repeats, dtype, selected, **engine_kwargs
