@@ -50,18 +50,21 @@ def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
     """`dtype`, or else the checkpoint's own: what `vinterp.LLM` picks when given none."""
     if dtype:
         return dtype
-    from transformers import AutoConfig
-
     from vinterp.api.llm import checkpoint_dtype
 
-    return checkpoint_dtype(AutoConfig.from_pretrained(str(model)))
+    return checkpoint_dtype(checkpoint_config(model))
+
+
+def checkpoint_config(model: str | Path) -> Any:
+    """The checkpoint's HF config (read without loading weights)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model))
 
 
 def attention_heads(model: str | Path) -> int:
     """The checkpoint's attention heads (TP=2 needs an even number: the bundled model has 9)."""
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(str(model)).num_attention_heads)
+    return int(checkpoint_config(model).num_attention_heads)
 
 
 @contextmanager
