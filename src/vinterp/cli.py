@@ -120,6 +120,7 @@ def _bench(args: argparse.Namespace) -> None:
         invokes=size["invokes"],
         progress=progress,
         capture_in_graph=CAPTURE_ROUTES[args.capture_in_graph],
+        together=None if args.engines is None else args.engines == "together",
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
     peer_rows = []
@@ -275,6 +276,14 @@ def main(argv: list[str] | None = None) -> None:
         default="off",
         help="the vinterp engine's capture_in_graph setting; 'both' times the vinterp rows on "
         "one engine of each, against the same plain vLLM",
+    )
+    bench.add_argument(
+        "--engines",
+        choices=("together", "apart"),
+        default=None,
+        help="'together': plain vLLM and the vinterp engines alive at once, every workload in "
+        "each round (drift reaches all alike; default on a GPU); 'apart': one engine at a time "
+        "(default on a CPU)",
     )
     bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json/.md/.png")
     bench.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")

@@ -4,8 +4,8 @@ same run, same dtype and engine settings. One engine is alive at a time."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ from vinterp.bench.harness import (
     device_kind,
     free_memory,
     target,
-    timed,
     timed_interleaved,
 )
 
@@ -32,18 +31,13 @@ TENSOR_PARALLEL = {
     "tp_steer": "steer",
     "tp_capture_layers_last": "capture_layers_last",
 }
-# Row keys `vinterp bench --workloads` selects from, in the order they run.
-WORKLOADS = (
-    EAGER,
-    "idle",
-    "steer",
-    "capture_one",
-    "capture_layers_last",
-    "capture_layers_all",
-    trace_invokes.KEY,
-    *pipeline.KEYS,
-    *TENSOR_PARALLEL,
-)
+# The generate rows on a vinterp engine (`vinterp_workloads`), by key
+VINTERP_KEYS = ("idle", "steer", "capture_one", "capture_layers_last", "capture_layers_all")
+# Rows of one-worker engines, and all row keys `vinterp bench --workloads` selects from
+ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
+WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL)
+# Share of a GPU's memory for the engines the bench keeps alive at once (split equally)
+SHARED_GPU_MEMORY = 0.8
 
 
 def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
@@ -97,21 +91,99 @@ def plain_vllm(
         free_memory()
 
 
-def plain_vllm_time(
+@contextmanager
+def vinterp_engine(model: str | Path, dtype: str, **engine_kwargs: Any) -> Iterator[Any]:
+    """A `vinterp.LLM`, shut down (and memory freed) when the block ends."""
+    import vinterp
+
+    llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+        free_memory()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One timed call on an engine; `name` (unique in a run) names its row and its times."""
+
+    key: str
+    name: str
+    call: Callable[[], object]
+    target: float = REFERENCE
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine of the bench: how it starts, its workloads, and rows it times on its own
+    once the interleaved rounds are done (the trace row, against its own baseline)."""
+
+    start: Callable[[], AbstractContextManager[Any]]
+    workloads: Callable[[Any], list[Workload]]
+    after: Callable[[Any], list[Row]] = lambda _: []
+
+
+def time_engines(
+    engines: list[Engine], repeats: int, together: bool
+) -> tuple[dict[str, Workload], dict[str, Timing], list[Row]]:
+    """Every engine's workloads (by name), their times, and the engines' `after` rows.
+
+    `together`: all engines alive at once and every workload of every engine in each round, so
+    the machine's drift over the run reaches plain vLLM and vinterp alike (on a GPU the
+    rounds of one engine spread +-20-30% and medians moved 25% between runs, docs/GPU.md).
+    Otherwise one engine at a time (the CPU machine's two cores, DESIGN.md lesson 8), its
+    workloads interleaved with each other only."""
+    workloads: dict[str, Workload] = {}
+    timings: dict[str, Timing] = {}
+    rows: list[Row] = []
+
+    def timed_on(llms: list[Any], members: list[Engine]) -> None:
+        chosen = [w for engine, llm in zip(members, llms) for w in engine.workloads(llm)]
+        workloads.update((w.name, w) for w in chosen)
+        timings.update(timed_interleaved({w.name: w.call for w in chosen}, repeats))
+        for engine, llm in zip(members, llms):
+            rows.extend(engine.after(llm))
+
+    if together:
+        with ExitStack() as stack:
+            timed_on([stack.enter_context(engine.start()) for engine in engines], engines)
+    else:
+        for engine in engines:
+            with engine.start() as llm:
+                timed_on([llm], [engine])
+    return workloads, timings, rows
+
+
+def compare(
+    baseline: str, workloads: dict[str, Workload], timings: dict[str, Timing], tokens: int
+) -> list[Row]:
+    """A row for every workload but `baseline` (a workload's name), timed against it."""
+    return [
+        Row(w.name, timings[baseline], timings[w.name], w.target, w.key, tokens)
+        for w in workloads.values()
+        if w.name != baseline
+    ]
+
+
+def plain_engine(
     model: str | Path,
-    prompts: list[str],
+    texts: list[str],
     max_tokens: int,
-    repeats: int,
     dtype: str,
+    name: str,
     enforce_eager: bool = False,
     **engine_kwargs: Any,
-) -> Timing:
-    """Wall times of plain vLLM generating `max_tokens` greedy tokens per prompt."""
+) -> Engine:
+    """Plain vLLM generating `max_tokens` greedy tokens per prompt, as workload `name`."""
     import vllm
 
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with plain_vllm(model, dtype, enforce_eager, **engine_kwargs) as llm:
-        return timed(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
+    key = EAGER if enforce_eager else "plain"
+    return Engine(
+        lambda: plain_vllm(model, dtype, enforce_eager, **engine_kwargs),
+        lambda llm: [Workload(key, name, lambda: llm.generate(texts, params, use_tqdm=False))],
+    )
 
 
 def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
@@ -137,6 +209,55 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
     ]
 
 
+def vinterp_generations(
+    llm: Any, texts: list[str], max_tokens: int, selected: set[str], suffix: str = ""
+) -> list[Workload]:
+    """The selected fast-path workloads on `llm`, each named with the size and `suffix`."""
+
+    def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
+        return lambda: llm.generate(
+            texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
+        )
+
+    size = f" ({len(texts)}x{max_tokens})"
+    return [
+        Workload(key, name + size + suffix, generate(kwargs), target(key))
+        for key, name, kwargs in vinterp_workloads(llm)
+        if key in selected
+    ]
+
+
+def vinterp_rows(
+    llm: Any,
+    texts: list[str],
+    max_tokens: int,
+    repeats: int,
+    baseline: Timing,
+    selected: set[str],
+    invokes: int = 256,
+) -> list[Row]:
+    """The selected fast-path rows (timed interleaved on the live `llm`) and the trace row,
+    each against `baseline`, plain vLLM's time for the same prompts."""
+    chosen = vinterp_generations(llm, texts, max_tokens, selected)
+    timings = timed_interleaved({w.name: w.call for w in chosen}, repeats)
+    tokens = len(texts) * max_tokens
+    rows = [Row(w.name, baseline, timings[w.name], w.target, w.key, tokens) for w in chosen]
+    return rows + trace_rows(llm, selected, invokes, repeats)
+
+
+def trace_rows(llm: Any, selected: set[str], invokes: int, repeats: int) -> list[Row]:
+    """The trace row, when selected (timed against `llm.generate` of its own prompts)."""
+    if trace_invokes.KEY not in selected:
+        return []
+    return [trace_invokes.run(llm, invokes=invokes, repeats=repeats)]
+
+
+def gpu_share(engines: int, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`engine_kwargs` with each of `engines` engines alive at once given an equal share of
+    the GPU's memory (vLLM's default, 0.9 of it, would leave none for the second)."""
+    return {"gpu_memory_utilization": round(SHARED_GPU_MEMORY / engines, 3), **engine_kwargs}
+
+
 def run(
     model: str | Path,
     prompts: int = 64,
@@ -147,38 +268,26 @@ def run(
     invokes: int = 256,
     progress: Callable[[str], None] = lambda _: None,
     capture_in_graph: tuple[bool, ...] = (False,),
+    together: bool | None = None,
     **engine_kwargs: Any,
 ) -> list[Row]:
-    """Rows for the selected `workloads` keys (default all), each engine shut down before
-    the next starts; `progress(key)` is called as each selected key is done or skipped.
-    The vinterp rows run on one engine per `capture_in_graph` value (both capture routes
-    against the same plain-vLLM time); the in-graph engine's row names say so.
-    `engine_kwargs` (e.g. max_model_len) go to every engine, plain and vinterp alike."""
-    import vinterp
-
+    """Rows for the selected `workloads` keys (default all); `progress(key)` is called as each
+    selected key is done or skipped. The vinterp rows run on one engine per
+    `capture_in_graph` value (both capture routes against the same plain-vLLM time); the
+    in-graph engine's row names say so. `together` (default: on a GPU) keeps the one-worker
+    engines alive at once and interleaves their rounds (`time_engines`); the TP and PP rows
+    start their engines one at a time. `engine_kwargs` (e.g. max_model_len) go to every
+    engine, plain and vinterp alike."""
     selected = set(WORKLOADS if workloads is None else workloads)
     dtype = resolve_dtype(model, dtype)
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(prompts)]
-    size = f" ({prompts}x{max_tokens})"
+    together = device_kind() == "cuda" if together is None else together
     rows: list[Row] = []
-    tokens = prompts * max_tokens
 
     def done(*keys: str) -> None:
         for key in selected.intersection(keys):
             progress(key)
 
-    baseline = Timing((0.0,))
-    if selected - {trace_invokes.KEY, *pipeline.KEYS, *TENSOR_PARALLEL}:  # to plain vLLM
-        baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype, **engine_kwargs)
-    if EAGER in selected and device_kind() == "cuda":
-        eager = plain_vllm_time(
-            model, texts, max_tokens, repeats, dtype, enforce_eager=True, **engine_kwargs
-        )
-        name = "plain vLLM enforce_eager=True" + size
-        rows.append(Row(name, baseline, eager, REFERENCE, EAGER, tokens))
-    elif EAGER in selected:
-        print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
-    done(EAGER)
     if selected & set(pipeline.KEYS) and device_kind() == "cuda" and torch.cuda.device_count() < 2:
         print("PP=2 rows: skipped (one GPU)")
     elif selected & set(pipeline.KEYS):
@@ -197,54 +306,69 @@ def run(
             model, texts, max_tokens, repeats, dtype, selected, **engine_kwargs
         )
     done(*TENSOR_PARALLEL)
-    if not selected & set(WORKLOADS[1:]) - {*pipeline.KEYS, *TENSOR_PARALLEL}:
-        return rows
-    for in_graph in capture_in_graph:
-        llm = vinterp.LLM(model, dtype=dtype, capture_in_graph=in_graph, **engine_kwargs)
-        last = in_graph == capture_in_graph[-1]
-        try:
-            timed = vinterp_rows(
-                llm, texts, max_tokens, repeats, baseline, selected, invokes, done if last else None
-            )
-        finally:
-            llm.shutdown()
-            free_memory()
-        rows += [replace(r, name=r.name + IN_GRAPH) for r in timed] if in_graph else timed
+    rows += one_worker_rows(
+        model,
+        texts,
+        max_tokens,
+        repeats,
+        dtype,
+        selected,
+        invokes,
+        capture_in_graph,
+        together,
+        **engine_kwargs,
+    )
+    done(*ONE_WORKER)
     return rows
 
 
-def vinterp_rows(
-    llm: Any,
+def one_worker_rows(
+    model: str | Path,
     texts: list[str],
     max_tokens: int,
     repeats: int,
-    baseline: Timing,
+    dtype: str,
     selected: set[str],
-    invokes: int = 256,
-    done: Callable[..., None] | None = None,
+    invokes: int,
+    capture_in_graph: tuple[bool, ...],
+    together: bool,
+    **engine_kwargs: Any,
 ) -> list[Row]:
-    """The selected fast-path rows (timed interleaved on `llm`) and the trace row, each
-    against `baseline`, plain vLLM's time for the same prompts."""
-    chosen = [
-        (key, name, kwargs) for key, name, kwargs in vinterp_workloads(llm) if key in selected
-    ]
-
-    def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
-        return lambda: llm.generate(
-            texts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False, **kwargs
+    """Plain vLLM (and, on a GPU, plain vLLM with enforce_eager), then the selected vinterp
+    rows on one engine per `capture_in_graph` value, all against plain vLLM's times."""
+    vinterp_keys = selected & {*VINTERP_KEYS, trace_invokes.KEY}
+    eager = EAGER in selected and device_kind() == "cuda"
+    if EAGER in selected and not eager:
+        print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
+    if not (eager or vinterp_keys):
+        return []
+    routes = capture_in_graph if vinterp_keys else ()
+    if together and device_kind() == "cuda":
+        engine_kwargs = gpu_share(1 + eager + len(routes), engine_kwargs)
+    size = f" ({len(texts)}x{max_tokens})"
+    plain = "plain vLLM" + size
+    engines = [plain_engine(model, texts, max_tokens, dtype, plain, **engine_kwargs)]
+    if eager:
+        name = "plain vLLM enforce_eager=True" + size
+        engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
+    for in_graph in routes:
+        suffix = IN_GRAPH if in_graph else ""
+        engines.append(
+            Engine(
+                lambda in_graph=in_graph: vinterp_engine(
+                    model, dtype, capture_in_graph=in_graph, **engine_kwargs
+                ),
+                lambda llm, suffix=suffix: vinterp_generations(
+                    llm, texts, max_tokens, selected, suffix
+                ),
+                lambda llm, suffix=suffix: [
+                    replace(r, name=r.name + suffix)
+                    for r in trace_rows(llm, selected, invokes, repeats)
+                ],
+            )
         )
-
-    timings = timed_interleaved({key: generate(kw) for key, _, kw in chosen}, repeats)
-    size, tokens = f" ({len(texts)}x{max_tokens})", len(texts) * max_tokens
-    rows = []
-    done = done or (lambda *_: None)
-    for key, name, _ in chosen:
-        rows.append(Row(name + size, baseline, timings[key], target(key), key, tokens))
-        done(key)
-    if trace_invokes.KEY in selected:
-        rows.append(trace_invokes.run(llm, invokes=invokes, repeats=repeats))
-        done(trace_invokes.KEY)
-    return rows
+    workloads, timings, extra = time_engines(engines, repeats, together)
+    return compare(plain, workloads, timings, len(texts) * max_tokens) + extra
 
 
 def tensor_parallel_rows(
@@ -256,19 +380,20 @@ def tensor_parallel_rows(
     selected: set[str],
     **engine_kwargs: Any,
 ) -> list[Row]:
-    """The selected `TENSOR_PARALLEL` rows: vinterp at TP=2 against plain vLLM at TP=2."""
-    import vinterp
-
+    """The selected `TENSOR_PARALLEL` rows: vinterp at TP=2 against plain vLLM at TP=2, one
+    engine at a time."""
     tp = {"tensor_parallel_size": 2, **engine_kwargs}
-    baseline = plain_vllm_time(model, texts, max_tokens, repeats, dtype, **tp)
-    llm = vinterp.LLM(model, dtype=dtype, **tp)
-    try:
-        chosen = {TENSOR_PARALLEL[key] for key in selected & set(TENSOR_PARALLEL)}
-        rows = vinterp_rows(llm, texts, max_tokens, repeats, baseline, chosen)
-    finally:
-        llm.shutdown()
-        free_memory()
-    return [
-        replace(r, name=f"{r.name} TP=2", key=f"tp_{r.key}", target=target(f"tp_{r.key}"))
-        for r in rows
+    chosen = {TENSOR_PARALLEL[key] for key in selected & set(TENSOR_PARALLEL)}
+    plain = f"plain vLLM ({len(texts)}x{max_tokens}) TP=2"
+    engines = [
+        plain_engine(model, texts, max_tokens, dtype, plain, **tp),
+        Engine(
+            lambda: vinterp_engine(model, dtype, **tp),
+            lambda llm: [
+                replace(w, key=f"tp_{w.key}", name=w.name + " TP=2", target=target(f"tp_{w.key}"))
+                for w in vinterp_generations(llm, texts, max_tokens, chosen)
+            ],
+        ),
     ]
+    workloads, timings, _ = time_engines(engines, repeats, together=False)
+    return compare(plain, workloads, timings, len(texts) * max_tokens)

@@ -97,12 +97,14 @@ def timed(fn: Callable[[], object], repeats: int) -> Timing:
 def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
     """Wall times of each workload over `repeats` rounds that run every workload once (after
     one warm-up each): drift of the machine over the run reaches every workload alike, where
-    blocks of runs per workload would turn it into differences between them."""
+    blocks of runs per workload would turn it into differences between them. Each run starts
+    after a full garbage collection, so none pays for the garbage of the one before."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
+            gc.collect()
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
