@@ -8,6 +8,8 @@ import gc
 import math
 import os
 import platform
+import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +20,9 @@ from vinterp.bench.peers.timing import Timing, measure
 
 # A row without a target: a reference measurement, reported but never judged.
 REFERENCE = math.inf
+# The ratio's interval: its confidence, and the bootstrap resamples that estimate it
+CONFIDENCE = 0.9
+RESAMPLES = 2000
 
 # Ratio targets (measured / baseline) per device kind and workload key.
 TARGETS: dict[str, dict[str, float]] = {
@@ -66,14 +71,23 @@ class Row:
         return self.measured.median / self.baseline.median
 
     @property
+    def interval(self) -> tuple[float, float]:
+        """The ratio's `CONFIDENCE` interval (`ratio_interval`)."""
+        return ratio_interval(self.measured, self.baseline)
+
+    @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.measured.median if self.tokens else None
 
     @property
     def verdict(self) -> str:
+        """Against the target: by the ratio, and "(within noise)" when the ratio's interval
+        holds the target, so that the rounds can neither confirm nor refute it."""
         if math.isinf(self.target):
             return "reference"
-        return "ok" if self.ratio <= self.target else "OVER TARGET"
+        verdict = "ok" if self.ratio <= self.target else "OVER TARGET"
+        low, high = self.interval
+        return f"{verdict} (within noise)" if low <= self.target < high else verdict
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; a reference row's target is null."""
@@ -83,10 +97,32 @@ class Row:
             "baseline": self.baseline.to_dict(),
             "vinterp": self.measured.to_dict(),
             "ratio": self.ratio,
+            "ratio_interval": list(self.interval),
             "tokens_per_s": self.tokens_per_s,
             "target": None if math.isinf(self.target) else self.target,
             "verdict": self.verdict,
         }
+
+
+def ratio_interval(
+    measured: Timing, baseline: Timing, confidence: float = CONFIDENCE
+) -> tuple[float, float]:
+    """Bootstrap interval of median(measured) / median(baseline): rounds drawn with
+    replacement, the same rounds of both when they have one time per round each (interleaved
+    rounds share the machine's state of the moment), seeded so that a report reads the same
+    every time it is written."""
+    rng = random.Random(0)
+    ours, theirs = measured.times, baseline.times
+    ratios = []
+    for _ in range(RESAMPLES):
+        drawn = [rng.randrange(len(ours)) for _ in ours]
+        paired = drawn if len(theirs) == len(ours) else [rng.randrange(len(theirs)) for _ in theirs]
+        ratios.append(
+            statistics.median(ours[i] for i in drawn) / statistics.median(theirs[i] for i in paired)
+        )
+    ratios.sort()
+    tail = int(RESAMPLES * (1 - confidence) / 2)
+    return ratios[tail], ratios[-1 - tail]
 
 
 def timed(fn: Callable[[], object], repeats: int) -> Timing:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vinterp.bench.harness import Row
+from vinterp.bench.harness import CONFIDENCE, Row
 from vinterp.bench.peers.row import PeerRow
 
 WORKLOAD_TITLES = {
@@ -70,7 +70,7 @@ def _percent(value: float) -> str:
 
 def markdown(report: Report) -> str:
     """Both tables with the machine and the command; spread is half of (max - min) / median
-    over the repeats."""
+    over the repeats, the interval the ratio's bootstrap interval over the rounds."""
     m = report.machine
     lines = [
         f"Measured {m['date']} on {m['device']} ({m.get('cpus', '?')} CPUs, "
@@ -81,17 +81,19 @@ def markdown(report: Report) -> str:
     ]
     if report.rows:
         lines += [
-            "| workload | plain vLLM s | vinterp s | spread | tokens/s | ratio | target | |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
+            "| workload | plain vLLM s | vinterp s | spread | tokens/s | ratio | "
+            f"{CONFIDENCE:.0%} interval | target | |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in report.rows:
             tps = f"{row.tokens_per_s:.0f}" if row.tokens_per_s else ""
             goal = "" if math.isinf(row.target) else f"<= {row.target:.2f}x"
+            low, high = row.interval
             lines.append(
                 f"| {_cell(row.name)} | {_seconds(row.baseline.median)}"
                 f" | {_seconds(row.measured.median)}"
-                f" | {_percent(row.measured.spread)} | {tps} | {row.ratio:.2f}x | {goal}"
-                f" | {row.verdict} |"
+                f" | {_percent(row.measured.spread)} | {tps} | {row.ratio:.2f}x"
+                f" | {low:.2f}-{high:.2f}x | {goal} | {row.verdict} |"
             )
         lines.append("")
     for workload, title in WORKLOAD_TITLES.items():
@@ -142,7 +144,9 @@ def chart(report: Report, path: str | Path) -> Path:
 def _fastpath_panel(ax: Any, rows: list[Row]) -> None:
     names = [row.name for row in rows][::-1]
     ratios = [row.ratio for row in rows][::-1]
-    colors = ["tab:red" if row.verdict == "OVER TARGET" else "tab:blue" for row in rows][::-1]
+    colors = ["tab:red" if row.verdict.startswith("OVER TARGET") else "tab:blue" for row in rows][
+        ::-1
+    ]
     ax.barh(names, ratios, color=colors)
     for i, row in enumerate(rows[::-1]):
         if not math.isinf(row.target):
