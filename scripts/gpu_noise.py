@@ -5,6 +5,8 @@ time next to the forward steps it took. Steps that vary with the time point at s
 time points at the host (each step's CPU work).
 
     REPS=12 python3 scripts/gpu_noise.py            # or under `taskset -c 2-9` to compare
+
+MODEL (a checkpoint; default the bundled model) and DTYPE (default bfloat16) for other runs.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import statistics
 import time
 
 import vinterp
+import vinterp.bench.harness
 from vinterp.bench.fastpath import PROMPT_TEMPLATE
 
 N, T = int(os.environ.get("N", 256)), int(os.environ.get("T", 128))
 REPS = int(os.environ.get("REPS", 12))
+MODEL, DTYPE = os.environ.get("MODEL"), os.environ.get("DTYPE", "bfloat16")
 
 
 def main() -> None:
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(N)]
-    llm = vinterp.LLM(
-        vinterp.models.bundled(), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.2
-    )
+    settings = {"max_model_len": 512} if MODEL else {"max_model_len": 2048}
+    if vinterp.bench.harness.device_kind() == "cuda":
+        settings["gpu_memory_utilization"] = 0.2
+    llm = vinterp.LLM(MODEL or vinterp.models.bundled(), dtype=DTYPE, **settings)
     walls, steps = [], []
     for i in range(REPS + 1):
         before = llm.step_stats()

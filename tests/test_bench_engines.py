@@ -1,5 +1,5 @@
-"""How `vinterp bench` times engines: all alive at once with every workload in each round
-(`together`, the GPU default), or one engine at a time (the CPU default)."""
+"""How `vinterp bench` times engines: one at a time (the default), or all alive at once with
+every workload in each round (`--engines together`)."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def _bench(args: argparse.Namespace) -> None:
         invokes=size["invokes"],
         progress=progress,
         capture_in_graph=CAPTURE_ROUTES[args.capture_in_graph],
-        together=None if args.engines is None else args.engines == "together",
+        together=args.engines == "together",
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
     peer_rows = []
@@ -279,11 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     bench.add_argument(
         "--engines",
-        choices=("together", "apart"),
-        default=None,
-        help="'together': plain vLLM and the vinterp engines alive at once, every workload in "
-        "each round (drift reaches all alike; default on a GPU); 'apart': one engine at a time "
-        "(default on a CPU)",
+        choices=("apart", "together"),
+        default="apart",
+        help="'apart' (default): one engine at a time; 'together': plain vLLM and the vinterp "
+        "engines alive at once (GPU memory shared), every workload in each round, so slow "
+        "drift of the machine reaches all alike",
     )
     bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json/.md/.png")
     bench.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")

@@ -130,10 +130,11 @@ def time_engines(
     """Every engine's workloads (by name), their times, and the engines' `after` rows.
 
     `together`: all engines alive at once and every workload of every engine in each round, so
-    the machine's drift over the run reaches plain vLLM and vinterp alike (on a GPU the
-    rounds of one engine spread +-20-30% and medians moved 25% between runs, docs/GPU.md).
-    Otherwise one engine at a time (the CPU machine's two cores, DESIGN.md lesson 8), its
-    workloads interleaved with each other only."""
+    that slow drift of the machine reaches plain vLLM and vinterp alike. Otherwise one engine
+    at a time, its workloads interleaved with each other only: the default, since on the
+    lent GPUs the noise changed within seconds (pairing did not narrow it) and engines alive
+    together ran ~30% slower (docs/GPU.md, ninth session), and on the CPU machine two engines
+    share two cores (DESIGN.md lesson 8)."""
     workloads: dict[str, Workload] = {}
     timings: dict[str, Timing] = {}
     rows: list[Row] = []
@@ -268,20 +269,19 @@ def run(
     invokes: int = 256,
     progress: Callable[[str], None] = lambda _: None,
     capture_in_graph: tuple[bool, ...] = (False,),
-    together: bool | None = None,
+    together: bool = False,
     **engine_kwargs: Any,
 ) -> list[Row]:
     """Rows for the selected `workloads` keys (default all); `progress(key)` is called as each
     selected key is done or skipped. The vinterp rows run on one engine per
     `capture_in_graph` value (both capture routes against the same plain-vLLM time); the
-    in-graph engine's row names say so. `together` (default: on a GPU) keeps the one-worker
-    engines alive at once and interleaves their rounds (`time_engines`); the TP and PP rows
-    start their engines one at a time. `engine_kwargs` (e.g. max_model_len) go to every
+    in-graph engine's row names say so. `together` keeps the one-worker engines alive at once
+    and interleaves their rounds (`time_engines`); the TP and PP rows start their engines one
+    at a time. `engine_kwargs` (e.g. max_model_len) go to every
     engine, plain and vinterp alike."""
     selected = set(WORKLOADS if workloads is None else workloads)
     dtype = resolve_dtype(model, dtype)
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(prompts)]
-    together = device_kind() == "cuda" if together is None else together
     rows: list[Row] = []
 
     def done(*keys: str) -> None:
