@@ -347,7 +347,9 @@ def one_worker_rows(
         engine_kwargs = gpu_share(1 + eager + len(routes), engine_kwargs)
     size = f" ({len(texts)}x{max_tokens})"
     plain = "plain vLLM" + size
-    engines = [plain_engine(model, texts, max_tokens, dtype, plain, **engine_kwargs)]
+    engines: list[Engine] = []
+    if eager or selected & set(VINTERP_KEYS):  # the trace row alone times its own baseline
+        engines.append(plain_engine(model, texts, max_tokens, dtype, plain, **engine_kwargs))
     if eager:
         name = "plain vLLM enforce_eager=True" + size
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
