@@ -3,23 +3,24 @@ timings themselves are the bench's business, not a test's)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 
 from vinterp.bench import fastpath, trace_invokes
-from vinterp.bench.harness import Timing
 
 pytestmark = pytest.mark.engine("bundled")
 
 
 def test_every_vinterp_row_runs_on_one_engine(engines) -> None:
+    """The bench's vinterp engine (as `one_worker_rows` builds it) on the live shared engine."""
     llm = engines.vllm()
-    keys = [*fastpath.VINTERP_KEYS, trace_invokes.KEY]
+    keys = {*fastpath.VINTERP_KEYS, trace_invokes.KEY}
     assert [key for key, _, _ in fastpath.vinterp_workloads(llm)] == list(fastpath.VINTERP_KEYS)
-    baseline = Timing((1.0, 1.0))
-    rows = fastpath.vinterp_rows(
-        llm, ["The capital of France is", "One, two,"], 2, 1, baseline, set(keys), 2
-    )
-    assert [r.key for r in rows] == keys and len(keys) == 6
-    assert all(r.measured.median > 0 for r in rows)
-    assert all(r.baseline is baseline for r in rows[:-1])  # the trace row times its own
-    assert rows[0].name.endswith("(2x2)") and rows[0].tokens == 4
+    texts = ["The capital of France is", "One, two,"]
+    engine = fastpath.vinterp_bench_engine(lambda: nullcontext(llm), texts, 2, keys, 2, 1, " [x]")
+    workloads, timings, traced = fastpath.time_engines([engine], 1, together=False)
+    assert [w.key for w in workloads.values()] == list(fastpath.VINTERP_KEYS)
+    assert [r.key for r in traced] == [trace_invokes.KEY] and traced[0].name.endswith(" [x]")
+    assert all(timings[name].median > 0 for name in workloads) and traced[0].measured.median > 0
+    assert next(iter(workloads)).endswith("(2x2) [x]")

@@ -1,11 +1,13 @@
 """Steering, capture and traces against plain vLLM (no vinterp in the engine), same machine,
-same run, same dtype and engine settings. One engine is alive at a time."""
+same run, same dtype and engine settings. One engine is alive at a time unless the bench is
+asked to keep them together (`time_engines`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -228,22 +230,24 @@ def vinterp_generations(
     ]
 
 
-def vinterp_rows(
-    llm: Any,
+def vinterp_bench_engine(
+    start: Callable[[], AbstractContextManager[Any]],
     texts: list[str],
     max_tokens: int,
-    repeats: int,
-    baseline: Timing,
     selected: set[str],
-    invokes: int = 256,
-) -> list[Row]:
-    """The selected fast-path rows (timed interleaved on the live `llm`) and the trace row,
-    each against `baseline`, plain vLLM's time for the same prompts."""
-    chosen = vinterp_generations(llm, texts, max_tokens, selected)
-    timings = timed_interleaved({w.name: w.call for w in chosen}, repeats)
-    tokens = len(texts) * max_tokens
-    rows = [Row(w.name, baseline, timings[w.name], w.target, w.key, tokens) for w in chosen]
-    return rows + trace_rows(llm, selected, invokes, repeats)
+    invokes: int,
+    repeats: int,
+    suffix: str = "",
+) -> Engine:
+    """A vinterp engine of the bench: its selected generate workloads, then its trace row;
+    row names end with `suffix`."""
+    return Engine(
+        start,
+        lambda llm: vinterp_generations(llm, texts, max_tokens, selected, suffix),
+        lambda llm: [
+            replace(r, name=r.name + suffix) for r in trace_rows(llm, selected, invokes, repeats)
+        ],
+    )
 
 
 def trace_rows(llm: Any, selected: set[str], invokes: int, repeats: int) -> list[Row]:
@@ -343,31 +347,22 @@ def one_worker_rows(
     if not (eager or vinterp_keys):
         return []
     routes = capture_in_graph if vinterp_keys else ()
+    timed_plain = eager or bool(selected & set(VINTERP_KEYS))  # the trace row times its own
     if together and device_kind() == "cuda":
-        engine_kwargs = gpu_share(1 + eager + len(routes), engine_kwargs)
+        engine_kwargs = gpu_share(timed_plain + eager + len(routes), engine_kwargs)
     size = f" ({len(texts)}x{max_tokens})"
     plain = "plain vLLM" + size
     engines: list[Engine] = []
-    if eager or selected & set(VINTERP_KEYS):  # the trace row alone times its own baseline
+    if timed_plain:
         engines.append(plain_engine(model, texts, max_tokens, dtype, plain, **engine_kwargs))
     if eager:
         name = "plain vLLM enforce_eager=True" + size
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
     for in_graph in routes:
+        start = partial(vinterp_engine, model, dtype, capture_in_graph=in_graph, **engine_kwargs)
         suffix = IN_GRAPH if in_graph else ""
         engines.append(
-            Engine(
-                lambda in_graph=in_graph: vinterp_engine(
-                    model, dtype, capture_in_graph=in_graph, **engine_kwargs
-                ),
-                lambda llm, suffix=suffix: vinterp_generations(
-                    llm, texts, max_tokens, selected, suffix
-                ),
-                lambda llm, suffix=suffix: [
-                    replace(r, name=r.name + suffix)
-                    for r in trace_rows(llm, selected, invokes, repeats)
-                ],
-            )
+            vinterp_bench_engine(start, texts, max_tokens, selected, invokes, repeats, suffix)
         )
     workloads, timings, extra = time_engines(engines, repeats, together)
     return compare(plain, workloads, timings, len(texts) * max_tokens) + extra

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,9 @@ class Row:
     def ratio(self) -> float:
         return self.measured.median / self.baseline.median
 
-    @property
+    @cached_property
     def interval(self) -> tuple[float, float]:
-        """The ratio's `CONFIDENCE` interval (`ratio_interval`)."""
+        """The ratio's `CONFIDENCE` interval (`ratio_interval`), resampled once per row."""
         return ratio_interval(self.measured, self.baseline)
 
     @property
