@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -82,6 +83,21 @@ def test_interleaved_timing_runs_workloads_in_rounds() -> None:
     assert calls == ["a", "b"] + ["a", "b"] * 3
     assert [len(timings[k].times) for k in "ab"] == [3, 3]
     assert timings["a"].median < timings["b"].median < 1.5 * timings["a"].median
+
+
+def test_each_timed_run_starts_after_a_garbage_collection() -> None:
+    """A run that leaves cyclic garbage behind does not hand its collection to the next one:
+    every timed run starts with the collector's young generation empty."""
+    counts: list[int] = []
+
+    def littering() -> None:
+        counts.append(gc.get_count()[0])
+        for _ in range(300):
+            cycle: list = []
+            cycle.append(cycle)
+
+    timed_interleaved({"a": littering, "b": littering}, 3)
+    assert max(counts[2:]) < 50  # the two warm-ups run without a collection first
 
 
 def test_rows_and_peer_rows_compare_medians() -> None:
