@@ -7,7 +7,8 @@ under cProfile.
 
 With VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core (scheduler and worker hooks) runs in
 this process, so the profile sees vinterp's per-step work. N and T set prompts and tokens,
-WORKLOADS the bench keys to time (the first one is the reference of the ratios).
+WORKLOADS the bench keys to time (the first one is the reference of the ratios), DTYPE and
+MAX_MODEL_LEN the engine's (the peer bench's engine: DTYPE=float32 MAX_MODEL_LEN=0, the model's).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from vinterp.bench.harness import timed_interleaved
 N, T = int(os.environ.get("N", 256)), int(os.environ.get("T", 128))
 REPS = int(os.environ.get("REPS", 5))
 KEYS = os.environ.get("WORKLOADS", "idle,steer,capture_one,capture_layers_last").split(",")
+DTYPE = os.environ.get("DTYPE", "bfloat16")
+MAX_MODEL_LEN = int(os.environ.get("MAX_MODEL_LEN", 2048)) or None
 
 
 def main() -> None:
     texts = [PROMPT_TEMPLATE.format(i=i) for i in range(N)]
-    llm = vinterp.LLM(vinterp.models.bundled(), dtype="bfloat16", max_model_len=2048)
+    llm = vinterp.LLM(vinterp.models.bundled(), dtype=DTYPE, max_model_len=MAX_MODEL_LEN)
     chosen = {key: kwargs for key, _, kwargs in vinterp_workloads(llm) if key in KEYS}
 
     def run(key: str) -> None:
@@ -47,7 +50,9 @@ def main() -> None:
         run(key)
         profile.disable()
         out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(
+            int(os.environ.get("TOP", 30))
+        )
         print(f"==== profile {key}\n{out.getvalue()}", flush=True)
     llm.shutdown()
 

@@ -20,7 +20,8 @@ def version() -> str:
 def load(task: Task) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(task.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(task.model, dtype=torch.float32)
+    model = model.to(task.device).eval()
     model.generation_config.eos_token_id = None  # exactly max_tokens, like ignore_eos
     model.generation_config.pad_token_id = PAD
     return model
@@ -41,7 +42,7 @@ def extract(model: Any, task: Task) -> torch.Tensor:
     try:
         for ids, mask, last in batches(task.prompts, task.batch, "right"):
             seen.clear()
-            model.model(input_ids=ids, attention_mask=mask)
+            model.model(input_ids=ids.to(task.device), attention_mask=mask.to(task.device))
             picked = torch.arange(len(last))
             rows.append(torch.stack([h[picked, last] for h in seen], dim=1))
     finally:
@@ -61,13 +62,13 @@ def _add(vector: torch.Tensor) -> Any:
 
 @torch.inference_mode()
 def steer(model: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
-    hook = model.model.layers[task.layer].register_forward_hook(_add(vector))
+    hook = model.model.layers[task.layer].register_forward_hook(_add(vector.to(task.device)))
     try:
         tokens = []
         for ids, mask, _ in batches(task.prompts, task.batch, "left"):
             out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(task.device),
+                attention_mask=mask.to(task.device),
                 max_new_tokens=task.max_tokens,
                 do_sample=False,
             )

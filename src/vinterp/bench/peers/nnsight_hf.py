@@ -21,7 +21,7 @@ def version() -> str:
 def load(task: Task) -> Any:
     from nnsight import LanguageModel
 
-    model = LanguageModel(task.model, dtype=torch.float32, dispatch=True)
+    model = LanguageModel(task.model, dtype=torch.float32, device_map=task.device, dispatch=True)
     model.generation_config.eos_token_id = None  # exactly max_tokens, like ignore_eos
     model.generation_config.pad_token_id = PAD
     return model
@@ -46,6 +46,7 @@ def extract(model: Any, task: Task) -> torch.Tensor:
 
 @torch.no_grad()
 def steer(model: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
+    vector = vector.to(task.device)
     tokens = []
     for chunk in _chunks(task):
         with model.generate(chunk, max_new_tokens=task.max_tokens, do_sample=False) as tracer:

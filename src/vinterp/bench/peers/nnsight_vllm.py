@@ -37,6 +37,7 @@ def extract(model: Any, task: Task) -> torch.Tensor:
 def steer(model: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
     import nnsight
 
+    vector = vector.to(task.device)
     tokens = []
     sampling = {"temperature": 0.0, "max_tokens": task.max_tokens, "ignore_eos": True}
     with model.trace(**sampling) as tracer:

@@ -27,6 +27,7 @@ class Task:
     max_tokens: int
     repeats: int
     batch: int  # prompts per forward pass where the tool batches by hand
+    device: str  # where the HF-based tools run: the GPU when there is one, as vLLM does
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,13 @@ def run(peer: Peer, tasks: list[tuple[Path, str]], log: Path) -> list[Result]:
         python = ensure(peer.env) if peer.env else Path(sys.executable)
     except EnvError as exc:
         return [Result([], "?", error=str(exc))] * len(tasks)
-    env = {**os.environ, "PYTHONPATH": str(BENCH_DIR)}
+    paths = [str(BENCH_DIR)]
     if peer.env:  # a peer's vLLM engine must not load vinterp's plugin
-        env["VLLM_PLUGINS"] = ""
+        env = {**os.environ, "VLLM_PLUGINS": ""}
+    else:  # vinterp's own interpreter sees the packages this process sees
+        env = dict(os.environ)
+        paths += [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     directories = [str(directory) for directory, _ in tasks]
     command = [str(python), "-m", "peers.worker", peer.module, *directories]
     try:

@@ -45,7 +45,13 @@ def tasks(model: str | Path, sizes: Sizes, repeats: int) -> tuple[list[Task], to
     vector = STEER_NORM * torch.randn(
         config.hidden_size, generator=torch.Generator().manual_seed(0)
     )
-    common = {"model": str(model), "layer": layer, "repeats": repeats, "batch": BATCH}
+    common = {
+        "model": str(model),
+        "layer": layer,
+        "repeats": repeats,
+        "batch": BATCH,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",  # where vLLM's engine runs
+    }
     return [
         Task(EXTRACT, prompts=ids, max_tokens=1, **common),
         Task(STEER, prompts=ids[: sizes.steer_prompts], max_tokens=sizes.steer_tokens, **common),

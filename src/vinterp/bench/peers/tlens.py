@@ -21,7 +21,7 @@ def version() -> str:
 def load(task: Task) -> Any:
     from transformer_lens.model_bridge import TransformerBridge
 
-    return TransformerBridge.boot_transformers(task.model, device="cpu", dtype=torch.float32)
+    return TransformerBridge.boot_transformers(task.model, device=task.device, dtype=torch.float32)
 
 
 def _resid(layer: int) -> str:
@@ -34,7 +34,11 @@ def extract(bridge: Any, task: Task) -> torch.Tensor:
     rows = []
     for ids, mask, last in batches(task.prompts, task.batch, "right"):
         _, cache = bridge.run_with_cache(
-            ids, attention_mask=mask, names_filter=names, return_type=None, prepend_bos=False
+            ids.to(task.device),
+            attention_mask=mask.to(task.device),
+            names_filter=names,
+            return_type=None,
+            prepend_bos=False,
         )
         picked = torch.arange(len(last))
         rows.append(torch.stack([cache[name][picked, last] for name in names], dim=1))
@@ -43,13 +47,14 @@ def extract(bridge: Any, task: Task) -> torch.Tensor:
 
 @torch.no_grad()
 def steer(bridge: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
+    vector = vector.to(task.device)
     tokens = []
     add = [(_resid(task.layer), lambda act, hook: act + vector)]
     with bridge.hooks(fwd_hooks=add):
         for ids, mask, _ in batches(task.prompts, task.batch, "left"):
             out = bridge.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(task.device),
+                attention_mask=mask.to(task.device),
                 max_new_tokens=task.max_tokens,
                 do_sample=False,
                 stop_at_eos=False,

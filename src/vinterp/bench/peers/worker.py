@@ -1,6 +1,7 @@
 """A peer process: `python -m peers.worker MODULE TASK_DIR...` loads the tool's module and
 the model once (not timed), then times each task's workload (warm-up excluded) and writes
-its result into its directory.
+its result into its directory. A run is timed until its output is on the host, so a
+GPU tool's queued kernels are counted.
 
 A tool module has `version() -> str`, `load(task) -> state`, `extract(state, task) ->
 (prompts, layers, hidden)` float tensor, `steer(state, task, vector) -> (prompts, tokens)`
@@ -42,9 +43,9 @@ def main(module_name: str, directories: list[Path]) -> None:
 def _run(tool: Any, state: Any, task: Task, vector: torch.Tensor, version: str) -> Result:
     try:
         if task.workload == EXTRACT:
-            timing, output = measure(lambda: tool.extract(state, task), task.repeats)
+            timing, output = measure(lambda: tool.extract(state, task).cpu(), task.repeats)
         else:
-            timing, output = measure(lambda: tool.steer(state, task, vector), task.repeats)
+            timing, output = measure(lambda: tool.steer(state, task, vector).cpu(), task.repeats)
     except Exception as exc:  # this workload failed; the next may still run
         traceback.print_exc()
         return Result([], version, error=_message(exc))
