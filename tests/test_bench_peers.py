@@ -30,6 +30,16 @@ def test_checker_passes_fp32_noise_and_flags_a_mutated_output() -> None:
     flipped = tokens.clone()
     flipped[1, 3] = 99
     assert verdict(STEER, tokens, flipped) == "WRONG: 1/3 prompts' tokens differ (first: prompt 1)"
+    many = torch.arange(32 * 4).reshape(32, 4)
+    late = many.clone()
+    late[5, 2:] = 0  # one prompt in 32 parts after two equal tokens: a near-tie
+    assert verdict(STEER, many, late).startswith("ok (31/32 prompts equal; prompts [5] agree")
+    early = late.clone()
+    early[7, 0] = 0  # another prompt differs from its first token: not a near-tie
+    assert verdict(STEER, many, early).startswith("WRONG: 2/32")
+    spread = many.clone()
+    spread[[1, 9, 17], 3] = 0  # three in 32 (over one in 16) part late
+    assert verdict(STEER, many, spread).startswith("WRONG: 3/32")
 
 
 def test_batches_keep_positions_and_find_each_last_token() -> None:

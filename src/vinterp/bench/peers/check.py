@@ -1,5 +1,6 @@
 """Peers' outputs against vinterp's, so that a fast wrong answer cannot win: residuals
-within fp32 tolerance (kernels differ in summation order), greedy tokens equal."""
+within fp32 tolerance (kernels differ in summation order), greedy tokens equal (up to a
+few near-ties)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from .protocol import EXTRACT
 # a few large entries, so the scale is each layer's largest magnitude.
 RTOL = 1e-3
 ATOL = 1e-4
+# Tokens: at most one prompt in NEAR_TIE_SHARE may part from vinterp's, after its first token.
+NEAR_TIE_SHARE = 16
 
 
 def verdict(workload: str, reference: torch.Tensor, output: torch.Tensor | None) -> str:
@@ -38,5 +41,15 @@ def _tokens(reference: torch.Tensor, output: torch.Tensor) -> str:
     same = (reference == output).all(dim=1)
     if bool(same.all()):
         return "ok (tokens equal)"
-    first = int((~same).nonzero()[0])
-    return f"WRONG: {int((~same).sum())}/{len(same)} prompts' tokens differ (first: prompt {first})"
+    differ = (~same).nonzero().flatten().tolist()
+    # Greedy decoding turns a float32 summation-order difference (GPU kernels differ between
+    # tools) into a different token at a near-tie, and all later tokens follow it. A few
+    # prompts that agree on their first tokens are that; a steering that was not applied, or
+    # applied wrongly, changes most prompts from the start.
+    agreed = [int((reference[i] != output[i]).nonzero()[0]) for i in differ]
+    if len(differ) * NEAR_TIE_SHARE <= len(same) and min(agreed) >= 1:
+        return (
+            f"ok ({len(same) - len(differ)}/{len(same)} prompts equal; prompts {differ} "
+            f"agree on their first {min(agreed)}+ tokens, then part at a near-tie)"
+        )
+    return f"WRONG: {len(differ)}/{len(same)} prompts' tokens differ (first: prompt {differ[0]})"
