@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vinterp.fastpath import capture_store
 from vinterp.fastpath.capture_buffers import CaptureBuffers, buffer_setting, buffer_site_ids
 from vinterp.fastpath.capture_store import CaptureStore, merge_captures
 from vinterp.fastpath.specs import CaptureSpec, SteerSpec
@@ -185,6 +186,13 @@ def test_capture_gathers_each_request_rows_once_per_site() -> None:
     assert tables[SITE].rows.tolist() == [2, 3, 4]
     assert tables[SITE].parts == [("a", [2]), ("b", [0, 1])]
     assert tables["layers.0.output"].rows.tolist() == [3, 4]
+    both = (SITE, "layers.0.output")  # sites the same requests capture share one table
+    spans = [RowSpan(0, 3, 0, 3), RowSpan(3, 5, 0, 2), RowSpan(5, 6, 4, 4)]
+    specs = [CaptureSpec(cid, both, "all") for cid in "xyz"]
+    shared = build_capture_tables(list(zip(spans, specs)))
+    assert shared[SITE] is shared["layers.0.output"]
+    assert shared[SITE].rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert shared[SITE].rows_on(torch.device("cpu")) is shared[SITE].rows_on(torch.device("cpu"))
     assert last.count(0, 3, 3) == 1 and last.count(3, 4, 3) == 0
     assert CaptureSpec("c", (SITE,), "all_generated").count(2, 5, 3) == 2
 
@@ -206,7 +214,7 @@ Step = list[tuple[str, str, list[int]]]  # one step: (site, capture id, position
 
 
 def recorded(stores: dict[str, CaptureStore], steps: list[Step]) -> list[tuple]:
-    """Record `steps` (each site in its own store, as PP stages hold theirs) from values whose
+    """Record `steps` (each site in `stores[site]`) from values whose
     rows all differ and are gathered out of order; the (site, SiteCapture, value) recorded."""
     done = []
     for k, step in enumerate(steps):
@@ -248,18 +256,22 @@ def as_lists(merged: dict) -> dict:
 
 
 def random_steps(seed: int) -> list[Step]:
-    """Batches of ids in changing order, some at only some sites, positions often repeated."""
+    """Batches of ids in changing order, some at only some sites, positions often repeated.
+    With an odd seed an id's positions in a step are one list at every site, as
+    build_capture_tables records them (sites then share a layout in a take)."""
     rng = random.Random(seed)
     ids, sites = ["a", "b", "c", "d"], [SITE, "layers.0.output"]
-    return [
-        [
-            (site, cid, sorted(rng.sample(range(8), rng.randint(1, 3))))
-            for cid in rng.sample(ids, rng.randint(1, len(ids)))
-            for site in sites
-            if cid != "d" or site == SITE
-        ]
-        for _ in range(rng.randint(1, 6))
-    ]
+    steps: list[Step] = []
+    for _ in range(rng.randint(1, 6)):
+        step: Step = []
+        for cid in rng.sample(ids, rng.randint(1, len(ids))):
+            shared = sorted(rng.sample(range(8), rng.randint(1, 3)))
+            for site in sites:
+                if cid != "d" or site == SITE:
+                    own = sorted(rng.sample(range(8), rng.randint(1, 3)))
+                    step.append((site, cid, shared if seed % 2 else own))
+        steps.append(step)
+    return steps
 
 
 PREEMPTED: list[Step] = [
@@ -275,11 +287,16 @@ PREEMPTED: list[Step] = [
 ]
 
 
+@pytest.mark.parametrize("one_store", [False, True])
 @pytest.mark.parametrize("steps", [PREEMPTED] + [random_steps(seed) for seed in range(30)])
-def test_take_gives_each_id_its_latest_rows_in_position_order(steps: list[Step]) -> None:
+def test_take_gives_each_id_its_latest_rows_in_position_order(
+    steps: list[Step], one_store: bool
+) -> None:
     """One block per site for the ids taken, expanded in the front end, against plain loops:
-    ids taken in any order and in several takes, latest row of a recomputed position."""
-    stores = {SITE: CaptureStore(), "layers.0.output": CaptureStore()}
+    ids taken in any order and in several takes, latest row of a recomputed position. The
+    sites are in one store (one worker: sites may share a layout) or in one each (PP)."""
+    one = CaptureStore()
+    stores = {SITE: one if one_store else CaptureStore(), "layers.0.output": one}
     done = recorded(stores, steps)
     for capture_ids, left in ((["c", "a"], ["c", "a"]), (["d", "b", "a"], ["d", "b"])):
         taken = [store.take(capture_ids) for store in stores.values()]
@@ -289,6 +306,36 @@ def test_take_gives_each_id_its_latest_rows_in_position_order(steps: list[Step])
                 assert owners == [cid for cid in left if cid in owners]
         assert as_lists(merge_captures([*taken, {}])) == reference(done, left)
     assert all(store.take(["a", "b", "c", "d"]) == {} for store in stores.values())
+
+
+def test_sites_of_one_capture_share_one_layout_per_take(monkeypatch) -> None:
+    """Every site of a Capture is recorded for the same requests in the same steps: a take
+    works out where their rows come from once, not once per site, and each site still gets
+    its own values."""
+    built = []
+    original = capture_store._Layout.__init__
+
+    def counting(self, *args):
+        built.append(args)
+        original(self, *args)
+
+    monkeypatch.setattr(capture_store._Layout, "__init__", counting)
+    both = (SITE, "layers.0.output")
+    store = CaptureStore()
+    for step, spans in enumerate(
+        [[RowSpan(0, 3, 0, 3), RowSpan(3, 5, 0, 2)], [RowSpan(0, 1, 3, 3)]]
+    ):
+        specs = [CaptureSpec("a", both, "all"), CaptureSpec("b", both, "all")][: len(spans)]
+        tables = build_capture_tables(list(zip(spans, specs)))
+        for k, site in enumerate(both):
+            value = torch.full((5, H), 10.0 * step + k) + torch.arange(5.0)[:, None]
+            store.record_site(site, tables[site], value)
+    merged = merge_captures([store.take(["b", "a"])])
+    assert len(built) == 1
+    assert merged["a"][SITE]["positions"] == [0, 1, 2, 3]
+    assert merged["a"][SITE]["values"][:, 0].tolist() == [0.0, 1.0, 2.0, 10.0]
+    assert merged["a"]["layers.0.output"]["values"][:, 0].tolist() == [1.0, 2.0, 3.0, 11.0]
+    assert merged["b"]["layers.0.output"]["values"][:, 0].tolist() == [4.0, 5.0]
 
 
 def test_decode_steps_follow_the_batch_as_it_changes() -> None:

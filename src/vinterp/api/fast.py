@@ -136,6 +136,9 @@ def _is_token_ids(value: list[Any]) -> bool:
     return bool(value) and all(isinstance(t, int) for t in value)
 
 
+_NOTHING_CAPTURED: dict[str, Any] = {"positions": [], "values": torch.empty(0, 0)}
+
+
 def captured_tensors(
     rows: dict[str, Any], prompt_len: int, generated: int, capture: Capture, sites: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
@@ -149,7 +152,7 @@ def captured_tensors(
     wanted = CaptureSpec("", (), selector).count(0, read_upto, prompt_len)
     tensors, positions = {}, {}
     for site in sites:
-        data = rows.get(site, {"positions": [], "values": torch.empty(0, 0)})
+        data = rows.get(site, _NOTHING_CAPTURED)
         kept = bisect_left(data["positions"], read_upto)  # positions come in order
         if kept != wanted:
             raise InterventionError(

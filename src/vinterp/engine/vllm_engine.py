@@ -248,10 +248,14 @@ class VLLMEngine:
 
 
 def fast_params(sampling: dict[str, Any], fast: dict[str, Any] | None) -> Any:
-    """vLLM's sampling parameters for a request with (or without) steering/capture data."""
+    """vLLM's sampling parameters for a request with (or without) steering/capture data.
+
+    Each request gets its own object, so vLLM need not deep-copy it (with its extra_args) per
+    request, as its own OpenAI server does not."""
     import vllm
 
-    return vllm.SamplingParams(**sampling, extra_args={FAST_KEY: fast} if fast else None)
+    extra_args = {FAST_KEY: fast} if fast else None
+    return vllm.SamplingParams(**{**sampling, "skip_clone": True}, extra_args=extra_args)
 
 
 def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
@@ -259,7 +263,7 @@ def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
     import vllm
 
     return vllm.SamplingParams(
-        **graph.invokes[invoke].sampling,
+        **{**graph.invokes[invoke].sampling, "skip_clone": True},  # one object per invoke
         extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": invoke}},
     )
 

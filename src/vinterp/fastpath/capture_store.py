@@ -29,7 +29,7 @@ class CaptureStore:
 
     def record_site(self, site: str, capture: SiteCapture, value: torch.Tensor) -> None:
         """Gather this step's recorded rows of a site's whole value."""
-        gathered = value.detach().index_select(0, capture.rows.to(value.device))
+        gathered = value.detach().index_select(0, capture.rows_on(value.device))
         self.add_gathered(site, capture, gathered)
 
     def add_gathered(self, site: str, capture: SiteCapture, gathered: torch.Tensor) -> None:
@@ -45,60 +45,79 @@ class CaptureStore:
         for cid in capture_ids:
             for site, chunks in self._chunks.pop(cid, {}).items():
                 owned[site].append((cid, chunks))
-        return {site: site_block(chunks) for site, chunks in owned.items()}
+        layouts: dict[tuple, _Layout] = {}  # sites recorded for the same requests share one
+        return {site: site_block(chunks, layouts) for site, chunks in owned.items()}
 
 
-def site_block(owned: list[tuple[str, list[_Chunk]]]) -> dict[str, Any]:
+class _Layout:
+    """Where one site's rows come from, for a set of ids: which rows of each step, in what
+    order, and each id's positions ("parts"). Sites recorded in the same steps for the same
+    requests (every site of one `Capture`) share it, so it is worked out once per take."""
+
+    def __init__(self, owned: list[tuple[str, list[_Chunk]]], steps: list[int]) -> None:
+        starts: list[int] = []
+        lengths: list[int] = []
+        positions: list[int] = []
+        counts: list[int] = []
+        for _, chunks in owned:  # Python per id; its chunks go through C iterators
+            _, firsts, chunk_positions = zip(*chunks)
+            starts += firsts
+            sizes = list(map(len, chunk_positions))
+            lengths += sizes
+            counts.append(sum(sizes))
+            positions += chain.from_iterable(chunk_positions)
+        self.lo, self.hi, rows = _joined(_longs(steps), _longs(starts), _longs(lengths))
+        owner = torch.arange(len(owned)).repeat_interleave(_longs(counts))
+        keep = _latest_in_order(owner, _longs(positions))
+        if keep is not None:
+            rows, positions = rows[keep], [positions[i] for i in keep.tolist()]
+            counts = torch.bincount(owner[keep], minlength=len(owned)).tolist()
+        joined_rows = int((self.hi - self.lo).sum())
+        self.rows = None if torch.equal(rows, torch.arange(joined_rows)) else rows
+        ends = list(accumulate(counts))
+        self.parts = [[cid, positions[a:b]] for (cid, _), a, b in zip(owned, [0, *ends], ends)]
+
+    def values(self, gathered: list[torch.Tensor]) -> torch.Tensor:
+        """One site's rows, from its steps' gathered tensors (in first-met order)."""
+        pieces = [g[a:b] for g, a, b in zip(gathered, self.lo.tolist(), self.hi.tolist())]
+        values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return values if self.rows is None else values.index_select(0, self.rows.to(values.device))
+
+
+def site_block(
+    owned: list[tuple[str, list[_Chunk]]], layouts: dict[tuple, _Layout]
+) -> dict[str, Any]:
     """One site's rows for several ids: "values", one wire tensor grouped by id in `owned`'s
     order, and "parts", [[capture id, positions]], each id's positions in order. A position
-    recorded twice (a preempted request recomputed) keeps its latest row."""
-    gathered: dict[int, torch.Tensor] = {}  # each step's rows by id(), in the order first met
-    keys: list[int] = []
-    starts: list[int] = []
-    lengths: list[int] = []
-    positions: list[int] = []
-    counts: list[int] = []
-    for _, chunks in owned:  # Python per id; its chunks go through C iterators
-        tensors, firsts, chunk_positions = zip(*chunks)
-        gathered.update(zip(map(id, tensors), tensors))
-        keys += map(id, tensors)
-        starts += firsts
-        sizes = list(map(len, chunk_positions))
-        lengths += sizes
-        counts.append(sum(sizes))
-        positions += chain.from_iterable(chunk_positions)
-    step_of = {key: i for i, key in enumerate(gathered)}
-    values, rows = _joined(
-        list(gathered.values()),
-        _longs(map(step_of.__getitem__, keys)),
-        _longs(starts),
-        _longs(lengths),
+    recorded twice (a preempted request recomputed) keeps its latest row. `layouts`: the
+    layouts of this take's other sites, by what they were recorded from."""
+    tensors = [chunk[0] for _, chunks in owned for chunk in chunks]
+    gathered = dict(zip(map(id, tensors), tensors))  # each step's rows, in the order first met
+    # A step's tables give every site of a request one positions list (built in that step):
+    # the same lists at the same starts mean the same rows of the same steps.
+    key = (
+        tuple(chunk[1] for _, chunks in owned for chunk in chunks),
+        tuple(id(chunk[2]) for _, chunks in owned for chunk in chunks),
     )
-    owner = torch.arange(len(owned)).repeat_interleave(_longs(counts))
-    keep = _latest_in_order(owner, _longs(positions))
-    if keep is not None:
-        rows, positions = rows[keep], [positions[i] for i in keep.tolist()]
-        counts = torch.bincount(owner[keep], minlength=len(owned)).tolist()
-    if not torch.equal(rows, torch.arange(len(values))):
-        values = values.index_select(0, rows.to(values.device))
-    ends = list(accumulate(counts))
-    parts = [[cid, positions[a:b]] for (cid, _), a, b in zip(owned, [0, *ends], ends)]
-    return {"values": tensor_to_wire(values), "parts": parts}
+    if key not in layouts:
+        step_of = {k: i for i, k in enumerate(gathered)}
+        layouts[key] = _Layout(owned, list(map(step_of.__getitem__, map(id, tensors))))
+    layout = layouts[key]
+    return {"values": tensor_to_wire(layout.values(list(gathered.values()))), "parts": layout.parts}
 
 
 def _joined(
-    gathered: list[torch.Tensor], step: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks' steps joined once, each cut to the rows the chunks use (a chunk's rows are
-    contiguous), and where each chunk's each row lands in the joined tensor."""
-    zeros = starts.new_zeros(len(gathered))  # only a start (include_self=False): each step has one
+    step: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which rows of each step the chunks use (lo, hi: a chunk's rows are contiguous), and
+    where each chunk's each row lands once the steps' used rows are joined in step order."""
+    zeros = starts.new_zeros(int(step.max()) + 1)  # only a start (include_self=False)
     lo = zeros.scatter_reduce(0, step, starts, "amin", include_self=False)
     hi = zeros.scatter_reduce(0, step, starts + lengths, "amax", include_self=False)
-    pieces = [g[a:b] for g, a, b in zip(gathered, lo.tolist(), hi.tolist())]
     step_first = (hi - lo).cumsum(0) - (hi - lo) - lo  # where a step's row 0 would land
     chunk_first = step_first[step] + starts - (lengths.cumsum(0) - lengths)
     rows = chunk_first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces), rows
+    return lo, hi, rows
 
 
 def _latest_in_order(owner: torch.Tensor, position: torch.Tensor) -> torch.Tensor | None:

@@ -104,6 +104,7 @@ class SiteOrder:
         self.num_layers = num_layers
         self.sites = all_sites(num_layers)
         self.position = {name: i for i, name in enumerate(self.sites)}
+        self._expanded: dict[str, tuple[str, ...]] = {}  # valid globs only: a few per model
 
     def __getitem__(self, site: str) -> int:
         if site in self.position:
@@ -116,11 +117,13 @@ class SiteOrder:
         """Sites matching a name or a glob over layer indices (`layers.*.output`), in order."""
         if pattern in self.position:  # a request's sites arrive expanded: no regex per site
             return [pattern]
-        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-        found = [s for s in self.sites if regex.match(s)]
-        if not found:
-            raise UnknownSiteError(describe_unknown(pattern, self.num_layers))
-        return found
+        if pattern not in self._expanded:  # every request of a batch names the same glob
+            regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+            found = tuple(s for s in self.sites if regex.match(s))
+            if not found:
+                raise UnknownSiteError(describe_unknown(pattern, self.num_layers))
+            self._expanded[pattern] = found
+        return list(self._expanded[pattern])
 
 
 def describe_unknown(site: str, num_layers: int) -> str:
