@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import threading
 import uuid
@@ -21,6 +22,7 @@ from vinterp.engine.vllm_engine import (
     collected_result,
     engine_arguments,
     fast_params,
+    freeze_startup_heap,
     invoke_params,
     to_output,
     unapplied_error,
@@ -109,6 +111,7 @@ class AsyncVLLMEngine:
         except BaseException:
             self._stop_loop()
             raise
+        freeze_startup_heap()
         self._prefix_caching = bool(self.llm.vllm_config.cache_config.enable_prefix_caching)
         self._global_steering = False
         atexit.register(self.shutdown)
@@ -232,6 +235,7 @@ class AsyncVLLMEngine:
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM async engine shutdown raised", exc_info=True)
         self._stop_loop()
+        gc.unfreeze()  # the engine's objects can be collected again
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
