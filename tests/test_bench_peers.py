@@ -4,6 +4,8 @@ computation, and a peer that cannot run becomes an error, never a missing row.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -122,3 +124,19 @@ def test_a_peer_that_cannot_run_is_an_error_row(tmp_path, monkeypatch) -> None:
         Peer("broken", "hf_hooks", env), [(tmp_path / "extract", EXTRACT)], tmp_path / "log"
     )
     assert result.error == "pip install nothing==0: ERROR: No matching distribution"
+
+
+def test_peer_processes_see_the_packages_they_should() -> None:
+    """vinterp's own interpreter keeps this process's PYTHONPATH (the GPU machines find every
+    package through it); a peer in its own environment gets only the peers package, and no
+    vinterp plugin in its vLLM."""
+    parent = {"PYTHONPATH": "/site/packages", "HOME": "/root"}
+    own = runner.peer_environment(Peer("HF", "hf_hooks"), parent)
+    assert own["PYTHONPATH"].split(os.pathsep) == [str(runner.BENCH_DIR), "/site/packages"]
+    assert own["HOME"] == "/root" and "VLLM_PLUGINS" not in own
+    apart = runner.peer_environment(Peer("x", "tlens", envs.Env("e", ("p==1",))), parent)
+    assert apart["PYTHONPATH"] == str(runner.BENCH_DIR) and apart["VLLM_PLUGINS"] == ""
+    assert runner.peer_environment(Peer("HF", "hf_hooks"), {})["PYTHONPATH"] == str(
+        runner.BENCH_DIR
+    )
+    assert parent == {"PYTHONPATH": "/site/packages", "HOME": "/root"}  # left as it was

@@ -23,13 +23,7 @@ def run(peer: Peer, tasks: list[tuple[Path, str]], log: Path) -> list[Result]:
         python = ensure(peer.env) if peer.env else Path(sys.executable)
     except EnvError as exc:
         return [Result([], "?", error=str(exc))] * len(tasks)
-    paths = [str(BENCH_DIR)]
-    if peer.env:  # a peer's vLLM engine must not load vinterp's plugin
-        env = {**os.environ, "VLLM_PLUGINS": ""}
-    else:  # vinterp's own interpreter sees the packages this process sees
-        env = dict(os.environ)
-        paths += [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env = peer_environment(peer, dict(os.environ))
     directories = [str(directory) for directory, _ in tasks]
     command = [str(python), "-m", "peers.worker", peer.module, *directories]
     try:
@@ -40,3 +34,17 @@ def run(peer: Peer, tasks: list[tuple[Path, str]], log: Path) -> list[Result]:
     tail = (done.stderr.strip().splitlines() or [""])[-1]
     died = Result([], "?", error=f"process died (exit status {done.returncode}): {tail}")
     return [read_result(directory, workload) or died for directory, workload in tasks]
+
+
+def peer_environment(peer: Peer, parent: dict[str, str]) -> dict[str, str]:
+    """The peer process's environment: `peers` importable; on vinterp's own interpreter also
+    whatever this process imports through PYTHONPATH (on the GPU machines, every package); a
+    peer's own environment keeps to its packages, and its vLLM loads no vinterp plugin."""
+    env = dict(parent)
+    paths = [str(BENCH_DIR)]
+    if peer.env:
+        env["VLLM_PLUGINS"] = ""
+    elif parent.get("PYTHONPATH"):
+        paths.append(parent["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
