@@ -18,11 +18,16 @@ class Peer:
 # next to this vLLM, changing none of vinterp's pins. TransformerLens 3.x, on HF only, gets a
 # plain environment of its own (its resolver picks its own transformers release).
 NNSIGHT = Env("nnsight-0.8.1", ("nnsight==0.8.1",), layered=True)
+# TransformerLens 3.9.0 leaves transformers open; under 5.24 its `generate` with a hook gave
+# other tokens for every prompt (2026-11-26), under 5.19.0, vinterp's own, it agrees.
+TLENS_3 = Env(
+    "tlens-3.9.0-transformers-5.19.0", ("transformer-lens==3.9.0", "transformers==5.19.0")
+)
 VINTERP = Peer("vinterp (vLLM engine)", "vinterp_side")
 PEERS = (
     Peer("HF transformers + hooks", "hf_hooks"),
     Peer("nnsight 0.8.1 LanguageModel (HF)", "nnsight_hf", NNSIGHT),
-    Peer("TransformerLens 3.9.0", "tlens", Env("tlens-3.9.0", ("transformer-lens==3.9.0",))),
+    Peer("TransformerLens 3.9.0", "tlens", TLENS_3),
     Peer("nnsight 0.8.1 vLLM backend", "nnsight_vllm", NNSIGHT),
     Peer(
         "TransformerLens 4.3.0 vLLM bridge",
