@@ -66,20 +66,21 @@ class _Layout:
             lengths += sizes
             counts.append(sum(sizes))
             positions += chain.from_iterable(chunk_positions)
-        self.lo, self.hi, rows = _joined(_longs(steps), _longs(starts), _longs(lengths))
+        lo, hi, rows = _joined(_longs(steps), _longs(starts), _longs(lengths))
+        self.lo, self.hi = lo.tolist(), hi.tolist()  # each site's pieces are cut by these
         owner = torch.arange(len(owned)).repeat_interleave(_longs(counts))
         keep = _latest_in_order(owner, _longs(positions))
         if keep is not None:
             rows, positions = rows[keep], [positions[i] for i in keep.tolist()]
             counts = torch.bincount(owner[keep], minlength=len(owned)).tolist()
-        joined_rows = int((self.hi - self.lo).sum())
+        joined_rows = int((hi - lo).sum())
         self.rows = None if torch.equal(rows, torch.arange(joined_rows)) else rows
         ends = list(accumulate(counts))
         self.parts = [[cid, positions[a:b]] for (cid, _), a, b in zip(owned, [0, *ends], ends)]
 
     def values(self, gathered: list[torch.Tensor]) -> torch.Tensor:
         """One site's rows, from its steps' gathered tensors (in first-met order)."""
-        pieces = [g[a:b] for g, a, b in zip(gathered, self.lo.tolist(), self.hi.tolist())]
+        pieces = [g[a:b] for g, a, b in zip(gathered, self.lo, self.hi)]
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return values if self.rows is None else values.index_select(0, self.rows.to(values.device))
 

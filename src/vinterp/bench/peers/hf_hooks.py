@@ -40,9 +40,9 @@ def extract(model: Any, task: Task) -> torch.Tensor:
     ]
     rows = []
     try:
-        for ids, mask, last in batches(task.prompts, task.batch, "right"):
+        for ids, mask, last in batches(task.prompts, task.batch, "right", task.device):
             seen.clear()
-            model.model(input_ids=ids.to(task.device), attention_mask=mask.to(task.device))
+            model.model(input_ids=ids, attention_mask=mask)
             picked = torch.arange(len(last))
             rows.append(torch.stack([h[picked, last] for h in seen], dim=1))
     finally:
@@ -65,10 +65,10 @@ def steer(model: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
     hook = model.model.layers[task.layer].register_forward_hook(_add(vector.to(task.device)))
     try:
         tokens = []
-        for ids, mask, _ in batches(task.prompts, task.batch, "left"):
+        for ids, mask, _ in batches(task.prompts, task.batch, "left", task.device):
             out = model.generate(
-                input_ids=ids.to(task.device),
-                attention_mask=mask.to(task.device),
+                input_ids=ids,
+                attention_mask=mask,
                 max_new_tokens=task.max_tokens,
                 do_sample=False,
             )

@@ -32,10 +32,10 @@ def _resid(layer: int) -> str:
 def extract(bridge: Any, task: Task) -> torch.Tensor:
     names = [_resid(i) for i in range(bridge.cfg.n_layers)]
     rows = []
-    for ids, mask, last in batches(task.prompts, task.batch, "right"):
+    for ids, mask, last in batches(task.prompts, task.batch, "right", task.device):
         _, cache = bridge.run_with_cache(
-            ids.to(task.device),
-            attention_mask=mask.to(task.device),
+            ids,
+            attention_mask=mask,
             names_filter=names,
             return_type=None,
             prepend_bos=False,
@@ -51,10 +51,10 @@ def steer(bridge: Any, task: Task, vector: torch.Tensor) -> torch.Tensor:
     tokens = []
     add = [(_resid(task.layer), lambda act, hook: act + vector)]
     with bridge.hooks(fwd_hooks=add):
-        for ids, mask, _ in batches(task.prompts, task.batch, "left"):
+        for ids, mask, _ in batches(task.prompts, task.batch, "left", task.device):
             out = bridge.generate(
-                ids.to(task.device),
-                attention_mask=mask.to(task.device),
+                ids,
+                attention_mask=mask,
                 max_new_tokens=task.max_tokens,
                 do_sample=False,
                 stop_at_eos=False,

@@ -41,11 +41,13 @@ def main(module_name: str, directories: list[Path]) -> None:
 
 
 def _run(tool: Any, state: Any, task: Task, vector: torch.Tensor, version: str) -> Result:
-    try:
+    def run() -> torch.Tensor:  # timed until the output is on the host
         if task.workload == EXTRACT:
-            timing, output = measure(lambda: tool.extract(state, task).cpu(), task.repeats)
-        else:
-            timing, output = measure(lambda: tool.steer(state, task, vector).cpu(), task.repeats)
+            return tool.extract(state, task).cpu()
+        return tool.steer(state, task, vector).cpu()
+
+    try:
+        timing, output = measure(run, task.repeats)
     except Exception as exc:  # this workload failed; the next may still run
         traceback.print_exc()
         return Result([], version, error=_message(exc))
