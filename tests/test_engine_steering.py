@@ -236,3 +236,5 @@ def test_steering_stays_compiled_and_capture_leaves_only_its_steps(llm, directio
     assert captured["steps"] - steered["steps"] >= 8
     # only the step(s) that prefill the prompts (the scheduler may split the arrivals)
     assert 1 <= captured["uncompiled_steps"] - steered["uncompiled_steps"] <= len(PROMPTS)
+    # a last_prompt capture is looked at only in its prompt's step, not in the 7 decoding ones
+    assert captured["watched"] - steered["watched"] == len(PROMPTS)

@@ -178,6 +178,20 @@ def test_capture_count_is_the_number_of_wanted_positions(kind, first, length, pr
     assert spec.count(first, first + length, prompt_len) == wanted
 
 
+@given(
+    st.sampled_from(["last_prompt", "all_prompt", "all_generated", "all", "set"]),
+    st.integers(0, 24),
+    st.integers(1, 10),
+    st.frozensets(st.integers(0, 20)),
+)
+def test_capture_ends_after_its_last_wanted_position(kind, end, prompt_len, chosen):
+    """A request stops being watched for captures exactly when no later position is wanted
+    (positions past 64 stand for "unbounded": 'all' and 'all_generated' never end)."""
+    spec = CaptureSpec("a", (SITE,), chosen if kind == "set" else kind)
+    later = [p for p in range(end, 64) if spec.wants(p, prompt_len)]
+    assert spec.ended(end, prompt_len) == (not later)
+
+
 def test_capture_gathers_each_request_rows_once_per_site() -> None:
     last = CaptureSpec("a", (SITE,), "last_prompt")
     every = CaptureSpec("b", (SITE, "layers.0.output"), "all")

@@ -151,7 +151,9 @@ class LLM(LocalModel):
 
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
-        graphs (steps that trace or capture); steering alone never leaves the graphs."""
+        graphs (steps that trace or capture); steering alone never leaves the graphs.
+        "watched": requests looked at for captures and traces, summed over steps (a capture
+        is no longer looked at once its last position is computed)."""
         return self._engine.step_stats()
 
 

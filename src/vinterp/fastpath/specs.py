@@ -164,6 +164,15 @@ class CaptureSpec:
             return max(0, end - max(first, prompt_len))
         return end - first
 
+    def ended(self, end: int, prompt_len: int) -> bool:
+        """Whether no position from `end` on is captured: a request computed up to there
+        needs no capturing step any more."""
+        if isinstance(self.positions, frozenset):
+            return all(p < end for p in self.positions)
+        if self.positions in ("last_prompt", "all_prompt"):
+            return end >= prompt_len
+        return False
+
     def wants(self, position: int, prompt_len: int) -> bool:
         if isinstance(self.positions, frozenset):
             return position in self.positions

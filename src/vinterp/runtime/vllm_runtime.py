@@ -105,7 +105,8 @@ class WorkerRuntime:
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
         self.num_tokens = 0
-        self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
+        # watched: live requests looked at for captures or traces, summed over steps
+        self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0, "watched": 0}
         self.capture_buffers = capture
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
@@ -199,13 +200,21 @@ class WorkerRuntime:
                 self.requests[req_id].num_computed = computed
         scheduled = scheduler_output.num_scheduled_tokens
         python, captured_rows, outside_buffers = False, 0, False
+        ended: list[str] = []
         for req_id in self.python_candidates:
             if req_id in scheduled:
                 req = self.requests[req_id]
-                python = python or self._traces_now(req, scheduled[req_id])
-                rows = self._captured_rows(req, scheduled[req_id])
+                num_tokens = scheduled[req_id]
+                python = python or self._traces_now(req, num_tokens)
+                rows = self._captured_rows(req, num_tokens)
                 captured_rows += rows
                 outside_buffers = outside_buffers or (rows > 0 and not req.captures_in_buffers)
+                if req.trace is None and req.fast.capture.ended(  # type: ignore[union-attr]
+                    req.num_computed + num_tokens, req.prompt_len
+                ):
+                    ended.append(req_id)  # e.g. last_prompt once the prompt is computed
+        self.stats["watched"] += len(self.python_candidates)
+        self.python_candidates.difference_update(ended)
         same_decode_batch = (
             self.steering_decodes_only
             and self.planned_version == self.fast.version
