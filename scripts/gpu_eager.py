@@ -115,6 +115,9 @@ def main() -> None:
         same = sum(a == b for a, b in zip(tokens[False, key], tokens[True, key]))
         print(f"{key}: tokens equal with and without the switch in {same}/{N}")
     for switch in (False, True):
+        same = sum(a == b for a, b in zip(tokens[switch, "idle"], tokens[switch, "capture_one"]))
+        print(f"switch={switch}: capture_one's tokens equal idle's in {same}/{N}")
+    for switch in (False, True):
         rpc(set_mode, args=(switch, True))
         run("capture_one", f"profiled switch={switch}")
         print("\n".join(rpc(set_mode, args=(switch, False))[0]), flush=True)
