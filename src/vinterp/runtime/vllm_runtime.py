@@ -209,9 +209,9 @@ class WorkerRuntime:
                 rows = self._captured_rows(req, num_tokens)
                 captured_rows += rows
                 outside_buffers = outside_buffers or (rows > 0 and not req.captures_in_buffers)
-                if req.trace is None and req.fast.capture.ended(  # type: ignore[union-attr]
-                    req.num_computed + num_tokens, req.prompt_len
-                ):
+                capture = req.fast.capture if req.fast else None
+                end = req.num_computed + num_tokens
+                if req.trace is None and capture is not None and capture.ended(end, req.prompt_len):
                     ended.append(req_id)  # e.g. last_prompt once the prompt is computed
         self.stats["watched"] += len(self.python_candidates)
         self.python_candidates.difference_update(ended)
