@@ -204,14 +204,15 @@ class WorkerRuntime:
         for req_id in self.python_candidates:
             if req_id in scheduled:
                 req = self.requests[req_id]
-                num_tokens = scheduled[req_id]
-                python = python or self._traces_now(req, num_tokens)
-                rows = self._captured_rows(req, num_tokens)
+                end = req.num_computed + scheduled[req_id]
+                python = python or self._traces_now(req, scheduled[req_id])
+                capture = req.fast.capture if req.fast else None
+                if capture is None:
+                    continue  # traced only
+                rows = capture.count(req.num_computed, end, req.prompt_len)
                 captured_rows += rows
                 outside_buffers = outside_buffers or (rows > 0 and not req.captures_in_buffers)
-                capture = req.fast.capture if req.fast else None
-                end = req.num_computed + num_tokens
-                if req.trace is None and capture is not None and capture.ended(end, req.prompt_len):
+                if req.trace is None and capture.ended(end, req.prompt_len):
                     ended.append(req_id)  # e.g. last_prompt once the prompt is computed
         self.stats["watched"] += len(self.python_candidates)
         self.python_candidates.difference_update(ended)
@@ -275,13 +276,6 @@ class WorkerRuntime:
             return False
         run = self.traces.get(req.trace[0])
         return run is not None and run.works_at(req.trace[1], req.step(num_tokens))
-
-    @staticmethod
-    def _captured_rows(req: Scheduled, num_tokens: int) -> int:
-        capture = req.fast.capture if req.fast else None
-        if capture is None:
-            return 0
-        return capture.count(req.num_computed, req.num_computed + num_tokens, req.prompt_len)
 
     def begin_step(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
         """Rows of this step's requests in batch order: (req id, first row, end row)."""
