@@ -1,6 +1,8 @@
-"""Experiment: what an uncompiled (Python at the sites) step costs on a GPU, with vLLM's
-compile-time op choices (native torch ops, as inductor wants them) and with its eager-mode
-choices (vLLM's CUDA kernels, as `enforce_eager=True` runs them).
+"""What an uncompiled (Python at the sites) step costs on a GPU, and what it does to tokens:
+the step clock and a torch profile of a capturing run's uncompiled forwards, and a capture's
+greedy tokens against an idle run's. Such steps run on the kernels of vLLM's eager mode
+(engine/eager_kernels.py, thirteenth session); the eleventh session's numbers for the native
+ops they ran before are in docs/GPU.md.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \\
         python3 scripts/gpu_eager.py
@@ -24,47 +26,23 @@ N, T = int(os.environ.get("N", 256)), int(os.environ.get("T", 128))
 REPS = int(os.environ.get("REPS", 3))
 
 
-def install_switch(worker: Any) -> None:
-    """Around the forward of an uncompiled step: CustomOps on their CUDA kernels and vLLM IR
-    ops on vllm_c; a torch profile of that forward when `worker.vinterp_profile` is set."""
+def install_profile(worker: Any) -> None:
+    """A torch profile of each uncompiled forward while `worker.vinterp_profile` is a list."""
     import torch
-    from vllm import ir
-    from vllm.ir.op import IrOp
-    from vllm.model_executor.custom_op import CustomOp
 
-    runner = worker.model_runner
-    runtime = runner._vinterp_runtime
-    model = runner.get_model()
-    custom = [
-        m
-        for m in model.modules()
-        if isinstance(m, CustomOp) and type(m).forward_cuda is not CustomOp.forward_cuda
-    ]
-    ir_ops = [op for op in vars(ir.ops).values() if isinstance(op, IrOp)]
-    worker.vinterp_switch = False
+    runtime = worker.model_runner._vinterp_runtime
+    model = worker.model_runner.get_model()
     worker.vinterp_profile = None
     saved: dict[str, Any] = {}
 
     def before(module: Any, args: Any, kwargs: Any) -> None:
-        if not runtime.python_step:
-            return
-        if worker.vinterp_switch:
-            saved["custom"] = [(m, m._forward_method) for m in custom]
-            for m in custom:
-                m._forward_method = m.forward_cuda
-            saved["ir"] = [(op, op._priority_impls) for op in ir_ops]
-            for op in ir_ops:
-                providers = [p for p in ("vllm_c",) if p in op.impls and op.impls[p].supported]
-                op._priority_impls = op._filter_priority_impls([*providers, "native"])
-        if worker.vinterp_profile is not None:
+        if runtime.python_step and worker.vinterp_profile is not None:
             torch.cuda.synchronize()
             saved["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             saved["prof"].__enter__()
             saved["t"] = time.perf_counter()
 
     def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if not runtime.python_step:
-            return
         if "prof" in saved:
             torch.cuda.synchronize()
             wall = time.perf_counter() - saved.pop("t")
@@ -72,18 +50,13 @@ def install_switch(worker: Any) -> None:
             prof.__exit__(None, None, None)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
             worker.vinterp_profile.append(f"forward {wall * 1e3:.1f} ms\n{table}")
-        for m, method in saved.pop("custom", []):
-            m._forward_method = method
-        for op, impls in saved.pop("ir", []):
-            op._priority_impls = impls
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def set_mode(worker: Any, switch: bool, profile: bool) -> list[str]:
+def set_profile(worker: Any, profile: bool) -> list[str]:
     done = worker.vinterp_profile or []
-    worker.vinterp_switch = switch
     worker.vinterp_profile = [] if profile else None
     return done
 
@@ -93,7 +66,7 @@ def main() -> None:
     llm = vinterp.LLM(vinterp.models.bundled(), dtype="bfloat16", max_model_len=2048)
     rpc = llm._engine.llm.collective_rpc
     rpc(install_step_clock)
-    rpc(install_switch)
+    rpc(install_profile)
     chosen = {k: kw for k, _, kw in vinterp_workloads(llm) if k in ("idle", "capture_one")}
 
     def run(key: str, label: str) -> list[Any]:
@@ -106,21 +79,13 @@ def main() -> None:
 
     tokens = {}
     for rep in range(REPS + 1):
-        for switch in (False, True):
-            rpc(set_mode, args=(switch, False))
-            for key in chosen:
-                out = run(key, f"round {rep} {'cuda-kernels' if switch else 'native-ops  '}")
-                tokens[switch, key] = [o.token_ids for o in out]
-    for key in chosen:
-        same = sum(a == b for a, b in zip(tokens[False, key], tokens[True, key]))
-        print(f"{key}: tokens equal with and without the switch in {same}/{N}")
-    for switch in (False, True):
-        same = sum(a == b for a, b in zip(tokens[switch, "idle"], tokens[switch, "capture_one"]))
-        print(f"switch={switch}: capture_one's tokens equal idle's in {same}/{N}")
-    for switch in (False, True):
-        rpc(set_mode, args=(switch, True))
-        run("capture_one", f"profiled switch={switch}")
-        print("\n".join(rpc(set_mode, args=(switch, False))[0]), flush=True)
+        for key in chosen:
+            tokens[key] = [o.token_ids for o in run(key, f"round {rep}")]
+    same = sum(a == b for a, b in zip(tokens["idle"], tokens["capture_one"]))
+    print(f"capture_one's tokens equal idle's in {same}/{N}")
+    rpc(set_profile, args=(True,))
+    run("capture_one", "profiled")
+    print("\n".join(rpc(set_profile, args=(False,))[0]), flush=True)
     llm.shutdown()
 
 

@@ -6,7 +6,8 @@ Every runner gets the same four hooks, placed where that runner exposes them:
 - the graph-mode choice: an uncompiled step is forced out of CUDA graphs (V1:
   `_determine_batch_execution_and_padding(force_eager=...)`, V2: `dispatch_cg_and_sync_dp(
   need_eager=...)`) and the model's forward skips the compiled code (vLLM's own
-  `skip_compiled` switch), so the Python at the sites runs;
+  `skip_compiled` switch), so the Python at the sites runs, on the kernels an
+  `enforce_eager=True` engine uses (`eager_kernels`);
 - the batch layout, once the runner has built it: `runtime.begin_step`; the forward queued,
   after `execute_model`: `runtime.end_step`;
 - logits and sampled tokens, outside the model (`compute_logits`, the sampler).
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from vllm.sequence import IntermediateTensors
 
+from vinterp.engine.eager_kernels import EagerKernels
 from vinterp.runtime.vllm_runtime import WorkerRuntime
 
 V2_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -73,14 +75,17 @@ def instrument(runner: Any, runtime: WorkerRuntime) -> None:
 
     _wrap(runner, "execute_model", execute_model)
     model = runner.get_model()
+    kernels = EagerKernels(model, runner.vllm_config)
 
     def skip_compiled(module: Any, args: Any, kwargs: Any) -> None:
         if runtime.python_step:
             from vllm.forward_context import get_forward_context
 
             get_forward_context().skip_compiled = True
+            kernels.enter()
 
     model.register_forward_pre_hook(skip_compiled, with_kwargs=True)
+    model.register_forward_hook(lambda *_: kernels.exit(), always_call=True)
     compute_logits = model.compute_logits
 
     def logits_with_sites(hidden_states: torch.Tensor) -> torch.Tensor | None:
