@@ -1,17 +1,22 @@
-"""The IR op priority of an engine's uncompiled steps: what vLLM gives an uncompiled engine,
-after the user's own providers (engine/eager_kernels.py). The platform rule here is CUDA's
-(vllm/platforms/cuda.py): "native" when Inductor compiles, else "vllm_c" then "native"."""
+"""What an engine's uncompiled steps switch to (engine/eager_kernels.py): the CustomOp methods
+and the IR op priority vLLM gives an uncompiled engine, the user's own choices kept. The
+platform rule for IR ops here is CUDA's (vllm/platforms/cuda.py): "native" when Inductor
+compiles, else "vllm_c" then "native"."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from torch import nn
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.config.compilation import CompilationMode
 from vllm.config.kernel import IrOpPriorityConfig
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.platforms import current_platform
 
-from vinterp.engine.eager_kernels import _eager_ir_priority
+from vinterp.engine.eager_kernels import _eager_ir_priority, _switched_custom_ops
 
 
 def cuda_rule(vllm_config: object) -> IrOpPriorityConfig:
@@ -50,3 +55,19 @@ def test_no_switch_where_the_platform_has_one_priority(monkeypatch) -> None:
         lambda _config: IrOpPriorityConfig.with_default(["native"]),
     )
     assert _eager_ir_priority(engine_config()) is None
+
+
+def test_custom_ops_take_the_uncompiled_dispatch_except_those_the_user_disabled() -> None:
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["-silu_and_mul"]))
+    assert "none" in config.compilation_config.custom_ops  # the compiler's base
+    with set_current_vllm_config(config):
+        silu, norm = SiluAndMul(), RMSNorm(8)
+        switched = {
+            type(op).__name__: eager
+            for op, _, eager in _switched_custom_ops(nn.Sequential(silu, norm), config)
+        }
+    assert norm._forward_method.__name__ == "forward_native"  # compiled engines keep theirs
+    assert switched["RMSNorm"].__name__ not in ("forward_native", "forward")  # the platform's
+    assert switched.get("SiluAndMul", silu.forward_native).__name__ == "forward_native"
+    assert config.compilation_config.custom_ops == ["-silu_and_mul", "none"]
+    assert not config.compilation_config.enabled_custom_ops  # nothing counted as enabled

@@ -6,8 +6,8 @@ leaves the compiled code (a trace, a capture outside the graphs) would run those
 one by one: on an H100 the bundled model's prefill forward took 49-53 ms that way against
 20.5 ms on vLLM's CUDA kernels (docs/GPU.md, eleventh session), and its values came from other
 kernels than an `enforce_eager=True` engine's. For such a step the model's CustomOps take the
-platform kernel vLLM dispatches an enabled op to, and the IR ops the priority vLLM gives an
-uncompiled engine; both go back after the forward.
+method vLLM dispatches them to in an uncompiled engine (the platform kernel), and the IR ops
+the priority vLLM gives an uncompiled engine; both go back after the forward.
 """
 
 from __future__ import annotations
@@ -48,25 +48,29 @@ class EagerKernels:
 
 
 def _switched_custom_ops(model: nn.Module, vllm_config: Any) -> list[tuple[Any, Any, Any]]:
-    """(op, its method now, its eager method) for each CustomOp whose eager method differs."""
+    """(op, its method now, its eager method) for each CustomOp whose eager method differs.
+
+    The eager method is the one vLLM dispatches to with an uncompiled engine's `custom_ops`
+    (its base "all" where the compiler's is "none"; the user's "+op" / "-op" kept)."""
     from vllm.model_executor.custom_op import CustomOp
 
-    counters = vllm_config.compilation_config
-    seen = (copy.copy(counters.enabled_custom_ops), copy.copy(counters.disabled_custom_ops))
-    switched = []
-    for module in model.modules():
-        if not isinstance(module, CustomOp):
-            continue
-        forced = module._enforce_enable
-        module._enforce_enable = True  # as if enabled: vLLM's own choice of platform kernel
-        try:
-            eager = module.dispatch_forward(compile_native=False)
-        finally:
-            module._enforce_enable = forced
-        if eager != module._forward_method:
-            switched.append((module, module._forward_method, eager))
-    counters.enabled_custom_ops, counters.disabled_custom_ops = seen  # dispatch counts ops
-    return switched
+    config = vllm_config.compilation_config
+    saved = (
+        config.custom_ops,
+        copy.copy(config.enabled_custom_ops),
+        copy.copy(config.disabled_custom_ops),
+    )
+    config.custom_ops = ["all" if op == "none" else op for op in config.custom_ops]
+    try:
+        switched = []
+        for module in model.modules():
+            if isinstance(module, CustomOp):
+                eager = module.dispatch_forward(compile_native=False)
+                if eager != module._forward_method:
+                    switched.append((module, module._forward_method, eager))
+        return switched
+    finally:  # dispatching counts the ops it enabled
+        config.custom_ops, config.enabled_custom_ops, config.disabled_custom_ops = saved
 
 
 def _eager_ir_priority(vllm_config: Any) -> Any:
