@@ -1,10 +1,11 @@
 """Where a compiled engine's uncompiled step parts from an `enforce_eager=True` engine's: every
 module of the first layers, read through raw sites in one traced prompt step on each engine,
 compared in forward order. With the eager-kernel switch (engine/eager_kernels.py) the two run
-the same kernels; on the CPU every row is 0, on an H200 in fp32 a layer output was ~1e-4
-relative apart (docs/GPU.md, thirteenth session). The first row that is not 0 names the cause.
+the same kernels. The first row that is not 0 names where they part: on the CPU none; on an
+H200 in fp32 none with one invoke, and with `--invokes 2` the first matmul, on equal inputs
+(docs/GPU.md, fourteenth session).
 
-    python3 scripts/gpu_kernel_diff.py [--model PATH] [--dtype float32] [--layers 2]
+    python3 scripts/gpu_kernel_diff.py [--model PATH] [--dtype float32] [--layers 2] [--invokes 1]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 import vinterp
 
-PROMPT = "The capital of France is"
+PROMPTS = ("The capital of France is", "Once upon a time there was a")
 # vLLM's Llama modules of one layer, in forward order (its rotary module is shared by all layers)
 LAYER_MODULES = (
     "input_layernorm",
@@ -51,12 +52,19 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def read(path: str, dtype: str, paths: list[str], **engine_kwargs: Any) -> dict[str, Any]:
+def read(
+    path: str, dtype: str, paths: list[str], invokes: int, **engine_kwargs: Any
+) -> dict[str, Any]:
+    """The first invoke's module outputs and logits, the other invokes batched in the same step."""
     llm = vinterp.LLM(path, dtype=dtype, **engine_kwargs)
     try:
-        with llm.trace(PROMPT, max_tokens=1):
-            saved = {p: raw_module(llm, p).output.save() for p in paths}
-            saved["logits"] = llm.logits.save()
+        with llm.trace(max_tokens=1) as tr:
+            with tr.invoke(PROMPTS[0]):
+                saved = {p: raw_module(llm, p).output.save() for p in paths}
+                saved["logits"] = llm.logits.save()
+            for prompt in PROMPTS[1:invokes]:
+                with tr.invoke(prompt):
+                    llm.logits.save()
         return saved
     finally:
         llm.shutdown()
@@ -67,11 +75,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a Llama checkpoint (default: tiny llama)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--invokes", type=int, default=1, choices=range(1, len(PROMPTS) + 1))
     args = parser.parse_args()
     model = args.model or str(vinterp.models.tiny("llama"))
     paths = module_paths(args.layers)
-    compiled = read(model, args.dtype, paths)
-    eager = read(model, args.dtype, paths, enforce_eager=True)
+    compiled = read(model, args.dtype, paths, args.invokes)
+    eager = read(model, args.dtype, paths, args.invokes, enforce_eager=True)
     print(f"{'module output: compiled engine uncompiled - eager':<60} {'max abs':>10} {'rel':>9}")
     for name in [*paths, "logits"]:
         for i, (a, b) in enumerate(zip(tensors(compiled[name]), tensors(eager[name]))):

@@ -2,8 +2,10 @@
 of an `enforce_eager=True` engine, so they give its values exactly, not the compiler's native
 ops' (engine/eager_kernels.py). On the CPU the two differ by up to ~3e-4 in the tiny llama's
 saves without the switch (its rotary and SiluAndMul kernels against their native forms). On an
-H200 (fp32) the first save still differed by ~1e-4 relative, from a cause not yet found
-(docs/GPU.md, thirteenth session): this equality is the CPU engine's."""
+H200 in fp32 this two-prompt step still parts by ~1e-4 relative, at the first matmul on equal
+inputs (cuBLAS's algorithm, not a kernel vinterp picks; in bf16 the bundled model's saves and
+captures equal the eager engine's exactly: docs/GPU.md, fourteenth session): this equality is
+the CPU engine's."""
 
 from __future__ import annotations
 
