@@ -156,3 +156,24 @@ def test_sync_and_async_traces_are_not_mixed_up(allm, hf) -> None:
 
     with pytest.raises(TypeError, match="`with model.trace"):
         asyncio.run(on_sync_model())
+
+
+def test_a_trace_of_more_prompt_tokens_than_one_step_computes_every_prompt_whole(allm) -> None:
+    """256 invokes hold more prompt tokens than a step's budget (2048 here): the trace runs
+    them in parts that fit, so no prompt is split; each save equals the fast path's capture."""
+    prompts = [f"Fact number {i}: the capital of France is" for i in range(256)]
+    budget = allm._engine.llm.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(len(allm.tokenizer(p).input_ids) for p in prompts) > budget
+    capture = vinterp.Capture(SITE, positions="last_prompt")
+
+    async def traced_and_captured():
+        async with allm.trace(max_tokens=1, use_tqdm=False) as tr:
+            saved = []
+            for prompt in prompts:
+                with tr.invoke(prompt):
+                    saved.append(allm.layers[1].output[-1].save())
+        return saved, await allm.generate(prompts, max_tokens=1, capture=capture)
+
+    saved, captured = asyncio.run(traced_and_captured())
+    for got, out in zip(saved, captured):
+        assert rel_err(got, out.captures[SITE][-1]) < 1e-5

@@ -1,5 +1,6 @@
 """The scheduler splitting long prompts over steps (chunked prefill): the fast path stays
-right, tracing refuses clearly."""
+right; a trace runs its invokes in parts that each fit one step, and refuses clearly a prompt
+that no step can hold."""
 
 from __future__ import annotations
 
@@ -35,10 +36,45 @@ def test_capture_and_steering_across_chunks_equal_hf(chunked, engines, tiny_llam
 
 
 def test_trace_on_a_split_prompt_fails_clearly(chunked) -> None:
-    with pytest.raises(vinterp.InterventionError, match="chunked prefill"):
+    length = len(chunked.tokenizer(LONG).input_ids)
+    with pytest.raises(vinterp.InterventionError, match=f"chunked prefill.* at least {length}"):
         with chunked.trace(LONG, max_tokens=1):
             chunked.layers[1].output.save()
     with chunked.trace(SHORT, max_tokens=2) as tr:
         ok = chunked.layers[1].output.save()
     assert ok.shape[0] == len(chunked.tokenizer(SHORT).input_ids)
     assert len(tr.outputs[0].token_ids) == 2
+
+
+# Each fits the 32-token step; the first four together do not (the scheduler takes 4 at once)
+MANY = [
+    "The capital of France is Paris, and the capital of Italy is",
+    "Once upon a time there was a small robot who",
+    "Numbers 1 2 3 4 5 6 7 8 9",
+    "Researchers read the residual stream to find",
+    "def fibonacci(n): return n if n < 2 else",
+]
+
+
+def many_invokes(llm) -> tuple[list, object, list]:
+    """Every prompt's layer-1 output, and a patch from the first invoke into a later one."""
+    with llm.trace(max_tokens=2) as tr:
+        saved = []
+        for prompt in MANY:
+            with tr.invoke(prompt):
+                saved.append(llm.layers[1].output.save())
+        with tr.invoke(MANY[1]):
+            llm.layers[2].output[-1] = saved[0][-1]
+            patched = llm.logits.save()
+    return saved, patched, [o.token_ids for o in tr.outputs]
+
+
+def test_a_trace_whose_prompts_outgrow_one_step_equals_hf(chunked, engines, tiny_llama) -> None:
+    lengths = [len(chunked.tokenizer(p).input_ids) for p in MANY]
+    assert max(lengths) <= 32 < sum(lengths[:4])
+    got_saved, got_patched, got_tokens = many_invokes(chunked)
+    want_saved, want_patched, want_tokens = many_invokes(engines.hf(tiny_llama))
+    assert got_tokens == want_tokens
+    for got, want in zip([*got_saved, got_patched], [*want_saved, want_patched]):
+        assert got.shape == want.shape
+        assert float((got - want).norm() / want.norm()) < 1e-4

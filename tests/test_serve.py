@@ -37,6 +37,7 @@ DISTINCT = [
     for k in range(16)
 ]
 AFTER = vinterp.Capture(["layers.20.output"], positions="last_prompt")
+STEP_TOKENS = 1024  # the server's max_num_batched_tokens
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -103,6 +104,7 @@ def server(reference) -> Iterator[str]:
     # eager: the server's own compilation of the model takes ~9 minutes on two cores (CI), and
     # the compiled path is what the reference engine and the rest of the suite test
     command = [sys.executable, "-m", "vinterp.cli", "serve", "--port", str(port), "--enforce-eager"]
+    command.append(f"--max-num-batched-tokens={STEP_TOKENS}")  # a step a trace can outgrow
     # with the applied check, every steered or captured answer below has passed it
     env = {**os.environ, "VINTERP_CHECK_APPLIED": "1"}
     proc = subprocess.Popen(
@@ -393,3 +395,13 @@ def test_out_of_order_trace_is_refused_with_its_cause(client) -> None:
         with client.trace(PROMPT, max_tokens=1, use_tqdm=False):
             late = client.layers[20].output
             client.layers[3].output = late
+
+
+def test_a_traced_prompt_no_step_can_hold_is_refused_with_the_fix(client, server) -> None:
+    long = " ".join(["Paris"] * (STEP_TOKENS + 100))
+    with pytest.raises(vinterp.InterventionError, match="max_num_batched_tokens of at least"):
+        with client.trace(long, max_tokens=1, use_tqdm=False):
+            client.logits.save()
+    with client.trace(PROMPT, max_tokens=1, use_tqdm=False):  # the server serves on
+        logits = client.logits.save()
+    assert logits.shape[-1] == client.config.vocab_size

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from vinterp.api.errors import InterventionError
 from vinterp.api.specs import Steering
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
@@ -28,9 +29,12 @@ class ServerError(RuntimeError):
 
 
 def answer(response: httpx.Response, method: str, path: str) -> Any:
-    """The JSON of a successful answer; a refused trace plan as PlanError, else ServerError."""
+    """The JSON of a successful answer; a refused trace as the error the engine raised
+    (InterventionError: the engine cannot run it; PlanError: the plan), else ServerError."""
     if response.status_code == 400 and path == TRACE:
         error = response.json()["error"]
+        if error.get("type") == InterventionError.__name__:
+            raise InterventionError(error["message"])
         raise PlanError(error["message"], out_of_order=bool(error.get("out_of_order")))
     if response.status_code != 200:
         raise ServerError(f"{method} {path}: HTTP {response.status_code}: {response.text}")

@@ -25,6 +25,7 @@ from vinterp.engine.vllm_engine import (
     freeze_startup_heap,
     invoke_params,
     to_output,
+    traced_rounds,
     unapplied_error,
     vllm_prompt,
 )
@@ -51,8 +52,10 @@ async def run_trace(
     engine: Any, wire: dict[str, Any], graph: Graph, plan: Plan, use_tqdm: bool = False
 ) -> tuple[list[Output], list[Any]]:
     """A trace on vLLM's async engine (`engine`: its `AsyncLLM`): the graph sent to the workers
-    once, every invoke of a round in flight at once, rounds in order, the saves collected
-    even when a round fails. Returns the outputs and every worker's report."""
+    once, every invoke of a round in flight at once (a round in parts that fit one engine
+    step), rounds in order, the saves collected even when a round fails. Returns the outputs
+    and every worker's report."""
+    rounds = traced_rounds(graph, plan, engine.vllm_config)
     trace_id = uuid.uuid4().hex
     errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
     if any(errors):
@@ -69,7 +72,7 @@ async def run_trace(
 
     outputs: list[Any] = [None] * len(graph.invokes)
     try:
-        for round_ in plan.rounds:
+        for round_ in rounds:
             for k, out in zip(round_, await asyncio.gather(*(complete(k) for k in round_))):
                 outputs[k] = out
     finally:

@@ -134,3 +134,24 @@ def _rounds(num_invokes: int, depends_on: dict[int, set[int]]) -> list[list[int]
     for invoke, lv in enumerate(level):
         rounds[lv].append(invoke)
     return rounds
+
+
+def fit_rounds(rounds: list[list[int]], lengths: list[int], budget: int) -> list[list[int]]:
+    """Each round cut, in order, into parts whose prompts (`lengths[invoke]` tokens) fit one
+    engine step's token budget together, so the scheduler never splits a traced prompt over
+    steps to fit it beside the others (chunked prefill). A round's invokes use none of each
+    other's values, so running them in parts changes nothing but the time. A prompt longer
+    than the budget gets a part of its own (the engine refuses it)."""
+    parts: list[list[int]] = []
+    for round_ in rounds:
+        part: list[int] = []
+        used = 0
+        for invoke in round_:
+            if part and used + lengths[invoke] > budget:
+                parts.append(part)
+                part, used = [], 0
+            part.append(invoke)
+            used += lengths[invoke]
+        if part:
+            parts.append(part)
+    return parts

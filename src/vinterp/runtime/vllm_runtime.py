@@ -334,8 +334,10 @@ class WorkerRuntime:
                 cause = (
                     f"its first {req.num_computed} tokens came from vLLM's prefix cache"
                     if req.num_computed
-                    else "it was split over several engine steps (chunked prefill); start "
-                    "the engine with max_num_batched_tokens of at least the prompt length"
+                    else f"the scheduler split its {req.prompt_len} tokens over several engine "
+                    "steps (chunked prefill) to fit them beside other requests' tokens in a "
+                    "step's budget (max_num_batched_tokens); run the trace again, or start the "
+                    "engine with a larger max_num_batched_tokens"
                 )
                 run.failure = Failure(
                     "",

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse
 
+from vinterp.api.errors import InterventionError
 from vinterp.api.fast import check_steering
 from vinterp.api.specs import Steering
 from vinterp.engine.outputs import output_to_json
@@ -133,6 +134,8 @@ async def trace(request: Request) -> JSONResponse:
         outputs, per_worker = await run_trace(engine, wire, graph, plan)
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
+    except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
+        return _bad_request(str(exc), type=InterventionError.__name__)
     result = collected_result(outputs, per_worker)
     return JSONResponse(
         {
