@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from vinterp.ir.graph import Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
 from vinterp.ir.plan import PlanError, fit_rounds, make_plan
+from vinterp.runtime.executor import TraceRun
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire, to_wire
@@ -234,3 +235,17 @@ def test_fit_rounds_cuts_rounds_into_parts_that_fit_one_step(lengths, budget, nu
         assert used <= budget or len(part) == 1  # a prompt over the budget goes alone
         if following and round_of[following[0]] == round_of[part[0]]:
             assert used + lengths[following[0]] > budget  # no part is cut earlier than needed
+
+
+def test_an_invoke_works_at_the_steps_of_its_own_nodes_only() -> None:
+    """Invoke 0 reads at step 0, invoke 1 in a tr.iter block over steps 2-3, invoke 2 has
+    nothing; each generates 4 tokens (steps 0-3)."""
+    g = Graph(invokes=[Invoke([1, 2], {"max_tokens": 4}) for _ in range(3)])
+    g.blocks.append(Block(2, None))
+    g.saves = [
+        g.add(Node("read", "layers.1.output", [], {}, 0)),
+        g.add(Node("read", "layers.3.output", [], {}, 1, block=0)),
+    ]
+    run = TraceRun(g, make_plan(g, SITES), {})
+    works = {k: [s for s in range(6) if run.works_at(k, s)] for k in range(3)}
+    assert works == {0: [0], 1: [2, 3], 2: []}

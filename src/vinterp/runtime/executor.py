@@ -43,8 +43,10 @@ class TraceRun:
     def __post_init__(self) -> None:
         self.save_set = set(self.graph.saves)
         self.sites_by_invoke: dict[int, list[str]] = {}
-        for invoke, site in self.plan.schedule:
+        self.nodes_by_invoke: dict[int, list[int]] = {}  # per step, look at one invoke's only
+        for (invoke, site), node_ids in self.plan.schedule.items():
             self.sites_by_invoke.setdefault(invoke, []).append(site)
+            self.nodes_by_invoke.setdefault(invoke, []).extend(node_ids)
         for k, inv in enumerate(self.graph.invokes):
             self.max_steps[k] = int(inv.sampling.get("max_tokens", 16))
 
@@ -63,12 +65,8 @@ class TraceRun:
         """Whether the invoke has anything to run at any site in this generation step."""
         if self.failure is not None or step >= self.max_steps.get(invoke, 0):
             return False
-        return any(
-            self.active_at(node_id, step)
-            for (k, _), node_ids in self.plan.schedule.items()
-            if k == invoke
-            for node_id in node_ids
-        )
+        nodes = self.nodes_by_invoke.get(invoke, ())
+        return any(self.active_at(node_id, step) for node_id in nodes)
 
     def wants(self, invoke: int, site: str) -> bool:
         return (invoke, site) in self.plan.schedule and self.failure is None
