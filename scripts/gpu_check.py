@@ -260,6 +260,19 @@ def stage(name: str, errors: dict[str, str], fn: Callable[[], Any]) -> Any:
         return None
 
 
+def kept_stage(
+    file: Path, run: bool, name: str, errors: dict[str, str], fn: Callable[[], Any]
+) -> Any:
+    """Run a stage and keep its result in `file`; when not run, what an earlier call kept
+    there (None if nothing)."""
+    if run:
+        result = stage(name, errors, fn)
+        if result is not None:
+            torch.save(result, file)
+        return result
+    return torch.load(file) if file.exists() else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("bundled", "llama1b"), default="bundled")
@@ -291,13 +304,7 @@ def main() -> None:
     errors: dict[str, str] = {}
 
     def kept(tag: str, name: str, fn: Callable[[], Any]) -> Any:
-        file = keep / f"{tag}.pt"
-        if tag in stages:
-            result = stage(name, errors, fn)
-            if result is not None:
-                torch.save(result, file)
-            return result
-        return torch.load(file) if file.exists() else None
+        return kept_stage(keep / f"{tag}.pt", tag in stages, name, errors, fn)
 
     sized = {"max_model_len": args.max_model_len}
     plain = kept("plain", "plain vLLM", lambda: plain_tokens(path, **sized))

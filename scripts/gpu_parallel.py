@@ -29,7 +29,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_check import MIN_EQUAL, PROMPTS, REL_TOL, N, equal, log, model_path, rel_err, stage  # noqa: E402
+from gpu_check import (  # noqa: E402
+    MIN_EQUAL,
+    PROMPTS,
+    REL_TOL,
+    N,
+    equal,
+    kept_stage,
+    log,
+    model_path,
+    rel_err,
+)
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp1": {},
@@ -164,14 +174,9 @@ def main() -> None:
     results: dict[str, Any] = {}
     for tag, layout in LAYOUTS.items():
         file = args.keep / f"{path.name}-{args.dtype}-{tag}.pt"
-        if tag in stages:
-            norm = results["tp1"]["norm"] if "tp1" in results else None
-            run = partial(run_layout, path, args.dtype, norm, layout)
-            result = stage(f"{tag}: {layout or 'one worker'}", errors, run)
-            if result is not None:
-                torch.save(result, file)
-        else:
-            result = torch.load(file) if file.exists() else None
+        norm = results["tp1"]["norm"] if "tp1" in results else None
+        run = partial(run_layout, path, args.dtype, norm, layout)
+        result = kept_stage(file, tag in stages, f"{tag}: {layout or 'one worker'}", errors, run)
         if result is not None:
             results[tag] = result
     checks = compare(path, results)
