@@ -4,13 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.vinterp-installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-fast bench setup clean
 
 demo: $(STAMP)
 	$(BIN)/vinterp demo
 
+# every test (what CI runs: .ci/run); tests/gpu skip without a CUDA GPU
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# the tests that start no vLLM engine (tests/conftest.py refuses an engine start in this tier)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not engine"
 
 bench: $(STAMP)
 	$(BIN)/vinterp bench

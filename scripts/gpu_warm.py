@@ -23,7 +23,7 @@ KV_CACHE_BYTES = 2 << 30
 
 def start(kind: str, model: str, dtype: str, max_model_len: int) -> None:
     """Start one engine of `kind`, generate a token, stop."""
-    from vinterp.bench.fastpath import plain_vllm, vinterp_engine
+    from vinterp.bench.workloads import plain_vllm, vinterp_engine
 
     settings = {
         "max_model_len": max_model_len,

@@ -72,6 +72,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run without `engine` tests (`-m "not engine"`, `make test-fast`) refuses every vLLM
+    engine start, here and in child processes (tests/no_engine/sitecustomize.py): a test that
+    starts one unmarked fails at once instead of slowing the fast tier down."""
+    if not session.items or any(item.get_closest_marker("engine") for item in session.items):
+        return
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent / "no_engine"
+    spec = importlib.util.spec_from_file_location("vinterp_no_engine", folder / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    guard.install()
+    os.environ[guard.ENV] = "1"
+    paths = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+
 @pytest.fixture(scope="session")
 def engines() -> Iterator[EnginePool]:
     pool = EnginePool()

@@ -1,6 +1,6 @@
 """The applied check without an engine: the compiled steering and capture ops count what they
 did, the host's expectation agrees with what the ops did, and a site that did not run is
-reported (fastpath/applied.py)."""
+reported (interventions/applied.py)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,26 @@ import random
 import numpy as np
 import torch
 
-from vinterp.fastpath.applied import AppliedCheck, AppliedCounters
-from vinterp.fastpath.capture_buffers import CaptureBuffers
-from vinterp.fastpath.specs import SteerSpec
-from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
-from vinterp.fastpath.tables import SiteCapture
+from vinterp.interventions.applied import AppliedCheck, AppliedCounters
+from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.specs import WorkerSteering
+from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
+from vinterp.interventions.tables import SiteCapture
 from vinterp.sites.names import SiteOrder, is_steerable
+from vinterp.wire.specs import Steering
 
 ORDER = SiteOrder(3)
 STEERABLE = [s for s in ORDER.sites if is_steerable(s)]
 H = 4
 PADDED = 16  # a graph's batch size: the step's tokens, then padding
+
+
+def worker_spec(vectors, scale, phase, positions, norm_match) -> WorkerSteering:
+    """A worker's steering, built from the user's spec."""
+    positions = None if positions is None else sorted(positions)
+    spec = Steering(vectors, scale=scale, phase=phase, positions=positions, norm_match=norm_match)
+    return WorkerSteering(spec)
 
 
 def random_step(rng: random.Random) -> tuple[list[SteeredRequest], list[tuple[str, int, int]]]:
@@ -39,7 +47,7 @@ def random_step(rng: random.Random) -> tuple[list[SteeredRequest], list[tuple[st
             positions = frozenset(rng.sample(range(6), 2)) if rng.random() < 0.3 else None
             vectors = {s: torch.rand(H) + 0.5 for s in sites}
             phase = rng.choice(["all", "prefill", "decode"])
-            specs.append(SteerSpec(vectors, rng.uniform(0.5, 2.0), phase, positions, False))
+            specs.append(worker_spec(vectors, rng.uniform(0.5, 2.0), phase, positions, False))
         if specs:
             steering = RequestSteering(tuple(specs), prompt_len)
             requests.append(SteeredRequest(str(k), first, count, steering))
@@ -49,7 +57,7 @@ def random_step(rng: random.Random) -> tuple[list[SteeredRequest], list[tuple[st
 def test_the_compiled_ops_count_exactly_the_rows_they_change() -> None:
     counters = AppliedCounters(len(ORDER.sites), "cpu")
     steer = SteerBuffers(len(ORDER.sites), H, PADDED, 16, 64, torch.float32, "cpu", counters)
-    state = SteeringState(steer, ORDER)
+    state = SteeringPlanner(steer, ORDER)
     check = AppliedCheck(counters, frozenset(range(len(ORDER.sites))), ORDER)
     compiles = []
 
@@ -93,9 +101,9 @@ def test_a_site_that_did_not_run_is_reported() -> None:
     capture = CaptureBuffers(
         len(ORDER.sites), frozenset({site, missing}), held, 4, H, torch.float32, "cpu", counters
     )
-    state = SteeringState(steer, ORDER)
+    state = SteeringPlanner(steer, ORDER)
     check = AppliedCheck(counters, frozenset(held), ORDER)
-    spec = SteerSpec(
+    spec = worker_spec(
         {ORDER.sites[site]: torch.ones(H), ORDER.sites[missing]: torch.ones(H)},
         1.0,
         "all",

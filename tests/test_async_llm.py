@@ -10,6 +10,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("tiny_async")
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "The sky is"]
 SITE = "layers.1.output"
 
@@ -162,7 +164,7 @@ def test_a_trace_of_more_prompt_tokens_than_one_step_computes_every_prompt_whole
     """256 invokes hold more prompt tokens than a step's budget (2048 here): the trace runs
     them in parts that fit, so no prompt is split; each save equals the fast path's capture."""
     prompts = [f"Fact number {i}: the capital of France is" for i in range(256)]
-    budget = allm._engine.llm.vllm_config.scheduler_config.max_num_batched_tokens
+    budget = allm.backend.llm.vllm_config.scheduler_config.max_num_batched_tokens
     assert sum(len(allm.tokenizer(p).input_ids) for p in prompts) > budget
     capture = vinterp.Capture(SITE, positions="last_prompt")
 

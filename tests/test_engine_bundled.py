@@ -41,3 +41,18 @@ def test_token_id_prompts_and_defaults(engines, vllm_outputs) -> None:
 def test_bad_prompt_type_is_named(engines) -> None:
     with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
         engines.vllm().generate([3.5])
+
+
+def test_the_demo_shows_each_tool_working(engines) -> None:
+    """`make demo`'s run on the shared engine: the patch moves Italy's answer to " Paris" where
+    the answer lives and not elsewhere, and both steering signs change the text."""
+    from vinterp import demo
+
+    shown = demo.run(engines.vllm())
+    assert shown["greedy"][0].startswith(" Paris")
+    patched = {label.split("->")[0].strip(): token for label, token in shown["patched"].items()}
+    tokens = list(patched.values())
+    assert tokens[:2] == [" Paris", " Rome"]  # clean, corrupted
+    assert tokens[2:] == [" Paris", " Rome", " Paris"]  # country token at 15, last at 15, 25
+    steered = shown["steered"]
+    assert len(set(steered.values())) == 3  # -1, unsteered, +1 all differ

@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.engine("tiny_applied_check")
+
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, sys, torch, vinterp
@@ -27,7 +31,7 @@ SCRIPT = textwrap.dedent(
         allm = vinterp.AsyncLLM(path, enforce_eager=True, check_applied=True)
         chunks = []
         try:
-            engine = allm._engine
+            engine = allm.backend
             await engine._on_loop(engine.llm.collective_rpc(drop_layer_1_sites))
             steering = vinterp.Steering({"layers.1.output": v}, scale=8.0)
             async for out in allm.stream(prompt, steering=steering, max_tokens=3):
@@ -67,7 +71,7 @@ SCRIPT = textwrap.dedent(
         results["layer0"] = outcome(
             lambda: generate(steering=vinterp.Steering({"layers.0.output": v}, scale=8.0)))
         results["plain_after"] = outcome(generate)
-        llm._engine.check_applied = False  # only the front end's own check is left
+        llm.backend.check_applied = False  # only the front end's own check is left
         results["capture_unchecked"] = outcome(
             lambda: generate(capture=vinterp.Capture("layers.1.output", positions="all")))
         llm.shutdown()

@@ -9,6 +9,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("tiny_chunked")
+
 LONG = " ".join(["The capital of France is Paris and the capital of Italy is Rome."] * 6)
 SHORT = "Once upon a time"
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.engine("tiny_compile_cache")
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, vinterp

@@ -4,7 +4,7 @@ ops' (engine/eager_kernels.py). On the CPU the two differ by up to ~3e-4 in the 
 saves without the switch (its rotary and SiluAndMul kernels against their native forms). On an
 H200 in fp32 this two-prompt step still parts by ~1e-4 relative, at the first matmul on equal
 inputs (cuBLAS's algorithm, not a kernel vinterp picks; in bf16 the bundled model's saves and
-captures equal the eager engine's exactly: docs/GPU.md, fourteenth session): this equality is
+captures equal the eager engine's exactly: docs/GPU.md): this equality is
 the CPU engine's."""
 
 from __future__ import annotations

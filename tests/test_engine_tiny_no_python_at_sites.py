@@ -25,16 +25,25 @@ OUTSIDE = "layers.0.attn.output"  # a site without a buffer
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, vinterp
-    from vinterp.runtime import site_ops
+    from vinterp.engine.worker_ext import site_calls
+
+    HANDLERS = []
 
     def forbidden(*args):
         raise RuntimeError("Python ran at a site")
 
+    def forbid(worker):
+        calls = site_calls(worker.model_runner)
+        HANDLERS.append((calls.site, calls.stream))
+        calls.site = calls.stream = forbidden
+
+    def restore(worker):
+        site_calls(worker.model_runner).site, site_calls(worker.model_runner).stream = HANDLERS[0]
+
     if __name__ == "__main__":
         path, prompts, captured = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         llm = vinterp.LLM(path, capture_in_graph=captured)
-        handlers = site_ops.PYTHON.site, site_ops.PYTHON.stream
-        site_ops.PYTHON.site = site_ops.PYTHON.stream = forbidden
+        llm.engine.collective_rpc(forbid)  # the engine runs in this process
         v = torch.randn(256, generator=torch.Generator().manual_seed(3))
         st = vinterp.Steering({"layers.2.output": v, "layers.1.mlp.output": v}, scale=6.0)
         out = llm.generate(prompts, max_tokens=8, steering=st)
@@ -45,7 +54,7 @@ SCRIPT = textwrap.dedent(
         captures = [{s: c.tolist() for s, c in o.captures.items()} for o in out]
         print("CAPTURES", json.dumps(captures), flush=True)
         print("CAPTURE_STATS", json.dumps(llm.step_stats()), flush=True)
-        site_ops.PYTHON.site, site_ops.PYTHON.stream = handlers
+        llm.engine.collective_rpc(restore)
         cap = vinterp.Capture(sys.argv[4], positions="all")
         out = llm.generate(prompts, max_tokens=4, steering=st, capture=cap)
         print("OUTSIDE", json.dumps([o.captures[sys.argv[4]].tolist() for o in out]), flush=True)
@@ -55,6 +64,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.engine("tiny_no_python_at_sites")
 def test_steered_and_captured_steps_call_no_python_at_sites(
     engines, engine_script, tiny_llama
 ) -> None:

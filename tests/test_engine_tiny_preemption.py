@@ -1,5 +1,5 @@
 """The scheduler running out of KV cache, preempting requests and recomputing them later: the
-fast path must give the same tokens and captures as if nothing had been preempted."""
+steering and capture must give the same tokens and captures as if nothing had been preempted."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import vinterp
+
+pytestmark = pytest.mark.engine("tiny_preemption")
 
 BLOCK = 32
 BLOCKS = 5  # one is vLLM's null block: 128 cached tokens, too few for four ~52-token requests

@@ -7,6 +7,8 @@ import torch
 
 import vinterp
 
+pytestmark = pytest.mark.engine("tiny_prefix_cache")
+
 PROMPT = " ".join(f"word{i}" for i in range(50))  # a few hundred tokens, several KV blocks
 
 

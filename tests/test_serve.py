@@ -152,14 +152,13 @@ def test_openai_client_steers_and_captures_like_llm(server, reference) -> None:
     assert complete(server).choices[0].text == reference["plain"]  # nothing left behind
 
 
-@pytest.mark.parametrize("key", ["vinterp_fast", "vinterp"])
-def test_vinterps_own_extra_args_cannot_be_sent_raw(server, reference, key) -> None:
-    """The workers trust these extra args (vinterp writes them after its checks): a client's
-    vllm_xargs carrying them would skip the checks or join another client's trace."""
+@pytest.mark.parametrize("forged", [{"trace": ["0" * 32, 0]}, "{}"])
+def test_vinterps_own_extra_args_cannot_be_sent_raw(server, reference, forged) -> None:
+    """The workers trust this extra arg (vinterp writes it after its checks): a client's
+    vllm_xargs carrying it would skip the checks or join another client's trace."""
     headers = {"Authorization": f"Bearer {KEY}"}
     model = httpx.get(server + "/v1/models", headers=headers).json()["data"][0]["id"]
-    forged = {"trace": "0" * 32, "invoke": 0} if key == "vinterp" else "{}"
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "vllm_xargs": {key: forged}}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "vllm_xargs": {"vinterp": forged}}
     r = httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 400 and "reserved" in r.json()["error"]["message"], r.text
     assert complete(server).choices[0].text == reference["plain"]  # and it serves on
@@ -310,13 +309,13 @@ def _graph(client) -> dict:
         captured["graph"] = payload_to_json(to_wire(graph))
         raise RuntimeError("recorded")
 
-    client._engine.run_trace = record  # this instance only: the graph, not a run
+    client.backend.run_trace = record  # this instance only: the graph, not a run
     try:
         with pytest.raises(RuntimeError, match="recorded"):
             with client.trace(PROMPT, max_tokens=1, use_tqdm=False):
                 client.layers[3].output.norm().save()
     finally:
-        del client._engine.run_trace
+        del client.backend.run_trace
     return captured["graph"]
 
 

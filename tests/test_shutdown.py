@@ -8,6 +8,9 @@ import textwrap
 import time
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.engine("shutdown")
 
 SCRIPT = textwrap.dedent(
     """

@@ -80,10 +80,11 @@ PARAMS = ["embed.weight", "lm_head.weight"] + [
 
 def read_params(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
     with llm.trace(PROMPT, max_tokens=1):
-        saves = {name: llm._active_trace()._param(name).save() for name in PARAMS}
+        saves = {name: llm.active_trace().record_param(name).save() for name in PARAMS}
     return saves
 
 
+@pytest.mark.engine("architectures")
 @pytest.mark.parametrize("arch", ON_VLLM)
 def test_architecture_sites_equal_hf(engines, arch) -> None:
     path = vinterp.models.tiny(arch)
@@ -123,7 +124,7 @@ def test_gpt_neox_sites_on_hf(engines) -> None:
     """Parallel blocks: the residual stream chains, and the MLP reads the layer input's norm."""
     hf = engines.hf(vinterp.models.tiny("gpt_neox"))
     got = every_site(hf)
-    layer = hf._engine.sites.layers[1]
+    layer = hf.backend.sites.layers[1]
     for i in range(len(hf.layers) - 1):
         assert torch.equal(got[f"layers.{i}.output"], got[f"layers.{i + 1}.input"])
     with torch.no_grad():

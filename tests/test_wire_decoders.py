@@ -25,8 +25,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import vinterp
-from vinterp.api.fast import Prepared
-from vinterp.fastpath.specs import decode_request
+from vinterp.api.requests import Prepared
+from vinterp.interventions.specs import decode_request
 from vinterp.ir.graph import NODE_KINDS
 from vinterp.ir.ops import ALL_OPS
 from vinterp.ir.plan import PlanError, make_plan
@@ -43,7 +43,7 @@ from vinterp.wire.json_form import (
     saved_from_json,
     saved_to_json,
 )
-from vinterp.wire.tensors import DTYPES
+from vinterp.wire.tensors import DTYPES, tensor_to_wire
 
 NUM_LAYERS, HIDDEN = 4, 256  # the tiny llama's
 ORDER = SiteOrder(NUM_LAYERS)
@@ -227,18 +227,23 @@ FIELD = {
     ],
     "capture": vinterp.Capture(["layers.*.output", "embed.output"], positions=[0, 1]).to_json(),
 }
-FAST = Prepared(
-    [1, 2, 3],
-    {},
-    steering=[
-        vinterp.Steering({"layers.1.output": V}, phase="prefill", positions=[1]),
-        vinterp.Steering({"layers.2.mlp.output": V, "layers.0.input": -V}, norm_match=True),
-    ],
-    steering_names=["calm"],
-    capture=vinterp.Capture(["layers.*.output"], positions="all"),
-    capture_sites=["layers.0.output", "embed.output"],
-    capture_id="c0ffee",
-).extra_args()
+V_WIRE = tensor_to_wire(V)
+WORKER_PAYLOAD = (
+    Prepared(
+        [1, 2, 3],
+        {},
+        steering=[
+            vinterp.Steering({"layers.1.output": V}, phase="prefill", positions=[1]),
+            vinterp.Steering({"layers.2.mlp.output": V, "layers.0.input": -V}, norm_match=True),
+        ],
+        steering_names=["calm"],
+        capture=vinterp.Capture(["layers.*.output"], positions="all"),
+        capture_sites=["layers.0.output", "embed.output"],
+        capture_id="c0ffee",
+    )
+    .specs()
+    .to_wire()
+)
 SAVED = saved_to_json(
     [
         torch.randn(2, 3),
@@ -291,7 +296,7 @@ def test_mutated_vinterp_fields_get_clear_errors(rnd) -> None:
 @given(rnd=st.randoms(use_true_random=False))
 def test_mutated_worker_payloads_decode_or_raise_wire_errors(rnd) -> None:
     """What a vLLM worker decodes from a request's extra args (steering and capture)."""
-    value, done = mutated(FAST, rnd, ODD_VALUES + BYTES_VALUES)
+    value, done = mutated(WORKER_PAYLOAD, rnd, ODD_VALUES + BYTES_VALUES)
     note(done)
     returns_or_raises(decode_request, value, ORDER, HIDDEN)
 
@@ -299,24 +304,27 @@ def test_mutated_worker_payloads_decode_or_raise_wire_errors(rnd) -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda p: p["steering"][0]["vectors"].update({"layers.4.output": V}), "out of this"),
-        (lambda p: p["steering"][0]["vectors"].update({"layers.1.mlp.input": V}), "not a steer"),
+        (lambda p: p["steering"][0]["vectors"].update({"layers.4.output": V_WIRE}), "out of range"),
+        (
+            lambda p: p["steering"][0]["vectors"].update({"layers.1.mlp.input": V_WIRE}),
+            "cannot be steered",
+        ),
         (lambda p: p["steering"][0].update(scale=math.inf), "finite number"),
-        (lambda p: p["steering"][0].update(positions=[-1]), "positions >= 0"),
+        (lambda p: p["steering"][0].update(positions=[-1]), "positions are >= 0"),
         (lambda p: p["capture"].update(sites=["layers.7.output"]), "out of range"),
-        (lambda p: p["capture"].update(positions="first"), "token positions"),
+        (lambda p: p["capture"].update(positions="first"), "capture.positions"),
     ],
 )
 def test_bad_worker_payloads_name_the_problem(change, message) -> None:
-    payload = copy.deepcopy(FAST)
+    payload = copy.deepcopy(WORKER_PAYLOAD)
     change(payload)
     with pytest.raises(WireError, match=re.escape(message)):
         decode_request(payload, ORDER, HIDDEN)
-    hidden = copy.deepcopy(FAST)
-    hidden["steering"][1]["vectors"]["layers.0.input"] = FAST["steering"][0]["vectors"][
+    hidden = copy.deepcopy(WORKER_PAYLOAD)
+    hidden["steering"][1]["vectors"]["layers.0.input"] = WORKER_PAYLOAD["steering"][0]["vectors"][
         "layers.1.output"
     ] | {"shape": [HIDDEN // 2], "data": b"\0" * (HIDDEN * 2)}
-    with pytest.raises(WireError, match="hidden size 256"):
+    with pytest.raises(WireError, match="hidden size is 256"):
         decode_request(hidden, ORDER, HIDDEN)
 
 

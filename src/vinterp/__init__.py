@@ -4,10 +4,11 @@ from vinterp import models
 from vinterp.api import LLM
 from vinterp.api.async_llm import AsyncLLM
 from vinterp.api.client import AsyncClient, Client
-from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
-from vinterp.api.specs import Capture, Request, Steering
+from vinterp.api.requests import Request
 from vinterp.engine.outputs import Output
+from vinterp.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
 from vinterp.wire.json_form import captures_from_json
+from vinterp.wire.specs import Capture, Steering
 
 __all__ = [
     "AsyncClient",

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
-from vinterp.bench.fastpath import WORKLOADS
 from vinterp.bench.peers.registry import PEERS
+from vinterp.bench.workloads import WORKLOADS
 
 PEER_KEYS = tuple(peer.module for peer in PEERS)
 # `vinterp bench` sizes (prompts, tokens, invokes, repeats); --quick for CI-sized runs.
 FULL = {"prompts": 64, "max_tokens": 32, "invokes": 256, "repeats": 3}
 QUICK = {"prompts": 16, "max_tokens": 8, "invokes": 32, "repeats": 2}
-
-DEMO_PROMPTS = [
-    "The capital of France is",
-    "The three primary colors are",
-    "def fibonacci(n):",
-]
 
 
 def _prepare(_: argparse.Namespace) -> None:
@@ -38,46 +31,9 @@ def _quiet_logs() -> None:
 def _demo(args: argparse.Namespace) -> None:
     if not args.verbose:
         _quiet_logs()
-    import vinterp
+    from vinterp import demo
 
-    start = time.perf_counter()
-    llm = vinterp.LLM()
-    print(f"engine started in {time.perf_counter() - start:.1f} s")
-    outputs = llm.generate(
-        DEMO_PROMPTS, max_tokens=args.max_tokens, temperature=0.0, use_tqdm=args.verbose
-    )
-    print("\n== greedy completions")
-    for prompt, out in zip(DEMO_PROMPTS, outputs):
-        print(f"{prompt!r} -> {out.text!r}")
-    _demo_trace(llm, Path(args.out))
-    _demo_steer_and_capture(llm)
-    llm.shutdown()
-
-
-def _demo_trace(llm: object, out_dir: Path) -> None:
-    """Logit lens over the layers (printed, and drawn), then activation patching."""
-    import torch
-
-    top = lambda logits: llm.tokenizer.decode(int(logits.argmax()))  # noqa: E731
-    prompt = "The capital of France is"
-    print(f"\n== trace: logit lens on {prompt!r} (top token per layer)")
-    with llm.trace(prompt, max_tokens=1, use_tqdm=False) as tr:
-        lens = [torch.softmax(llm.unembed(layer.output), -1).max(-1) for layer in llm.layers]
-        probs = [p.save() for p, _ in lens]
-        tokens = [t.save() for _, t in lens]
-    names = [[llm.tokenizer.decode(int(t)) for t in row] for row in tokens]
-    print("  " + " | ".join(f"{i}:{row[-1]!r}" for i, row in enumerate(names) if i % 3 == 2))
-    print(f"  completion: {tr.outputs[0].text!r}")
-    _draw_lens(llm, prompt, torch.stack(probs), names, out_dir)
-    layer = len(llm.layers) // 2
-    print(f"\n== trace: patch layers[{layer}].output[-1] from France into Italy")
-    with llm.trace(max_tokens=1, use_tqdm=False) as tr:
-        with tr.invoke("The capital of France is"):
-            clean = llm.layers[layer].output[-1].save()
-        with tr.invoke("The capital of Italy is"):
-            llm.layers[layer].output[-1] = clean
-            patched = llm.logits.save()
-    print(f"  Italy prompt, patched: top token {top(patched)!r} (saved {tuple(clean.shape)})")
+    demo.main(args.max_tokens, args.verbose)
 
 
 # --capture-in-graph: the vinterp engines to time, by their capture_in_graph setting
@@ -91,7 +47,8 @@ def _bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     import vinterp
-    from vinterp.bench import fastpath, harness, report
+    from vinterp.bench import harness, report
+    from vinterp.bench import workloads as engine_workloads
     from vinterp.bench.peers import suite
 
     if args.setup_peers:
@@ -100,17 +57,17 @@ def _bench(args: argparse.Namespace) -> None:
     if not args.verbose:
         _quiet_logs()
     model = args.model or vinterp.models.bundled()
-    dtype = fastpath.resolve_dtype(model, args.dtype)
+    dtype = engine_workloads.resolve_dtype(model, args.dtype)
     quick = QUICK if args.quick else FULL
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in quick.items()}
-    workloads = list(fastpath.WORKLOADS) if args.workloads is None else args.workloads
+    workloads = list(engine_workloads.WORKLOADS) if args.workloads is None else args.workloads
     bar = tqdm(total=len(workloads) + len(args.peers) + bool(args.peers), desc="bench")
 
     def progress(label: str) -> None:
         bar.set_postfix_str(label)
         bar.update()
 
-    rows = fastpath.run(
+    rows = engine_workloads.run(
         model,
         prompts=size["prompts"],
         max_tokens=size["max_tokens"],
@@ -181,49 +138,6 @@ def _workload_list(text: str) -> list[str]:
     return keys
 
 
-def _draw_lens(llm: object, prompt: str, probs: object, names: list, out_dir: Path) -> None:
-    try:
-        from vinterp import plot
-
-        path = plot.heatmap(
-            probs.flip(0),  # last layer on top
-            row_labels=[f"layer {i}" for i in reversed(range(len(names)))],
-            col_labels=[llm.tokenizer.decode(t) for t in llm.tokenizer(prompt).input_ids],
-            title=f"Logit lens: top token and its probability, {prompt!r}",
-            path=out_dir / "logit_lens.png",
-            cell_text=names[::-1],
-        )
-    except ImportError:  # matplotlib is the optional `plot` extra
-        print("  (pip install 'vinterp[plot]' to draw the logit lens)")
-        return
-    print(f"  picture: {path}")
-
-
-def _demo_steer_and_capture(llm: object) -> None:
-    """A steering vector from a contrast of two prompts, then a capture for a probe."""
-    import vinterp
-
-    layer = 10
-    cap = vinterp.Capture(f"layers.{layer}.output", positions="last_prompt")
-    happy, sad = llm.generate(
-        ["I feel wonderful and happy", "I feel terrible and sad"],
-        max_tokens=1,
-        capture=cap,
-        use_tqdm=False,
-    )
-    site = f"layers.{layer}.output"
-    direction = happy.captures[site][0] - sad.captures[site][0]
-    print(f"\n== capture: {site} at the last prompt token -> {tuple(happy.captures[site].shape)}")
-    steering = vinterp.Steering({site: direction}, scale=4.0)
-    prompt = "Today the weather is"
-    plain, steered = (
-        llm.generate(prompt, max_tokens=12, steering=s, use_tqdm=False)[0] for s in (None, steering)
-    )
-    print(f"== steering {site} with (happy - sad) x 4:")
-    print(f"  plain:   {prompt}{plain.text!r}")
-    print(f"  steered: {prompt}{steered.text!r}")
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `vinterp` console script."""
     parser = argparse.ArgumentParser(prog="vinterp", description=__doc__)
@@ -231,7 +145,6 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("prepare", help="convert the bundled model once").set_defaults(run=_prepare)
     demo = commands.add_parser("demo", help="run the bundled model")
     demo.add_argument("--max-tokens", type=int, default=8)
-    demo.add_argument("--out", default="vinterp-demo", help="where the picture goes")
     demo.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs, progress bars")
     demo.set_defaults(run=_demo)
     bench = commands.add_parser(

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.fast import capture_ids, deliver, deliver_all, prepare
-from vinterp.api.front_end import Prompt
 from vinterp.api.llm import LocalModel
-from vinterp.api.specs import Capture, Request, Steering
+from vinterp.api.requests import Request, agenerate, deliver, prepare
 from vinterp.api.steering_control import AsyncSteeringControl
+from vinterp.api.trace import Prompt
 from vinterp.engine.outputs import Output
+from vinterp.wire.specs import Capture, Steering
 
 
 class AsyncLLM(LocalModel):
@@ -44,7 +44,7 @@ class AsyncLLM(LocalModel):
         from vinterp.engine.async_vllm_engine import AsyncVLLMEngine
 
         model, dtype = self._load(model, backend, pipeline_parallel_size, sites, engine_kwargs)
-        self._engine = AsyncVLLMEngine(
+        self.backend = AsyncVLLMEngine(
             model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
         )
         self._init_front_end()
@@ -60,18 +60,7 @@ class AsyncLLM(LocalModel):
     ) -> list[Output]:
         """As `LLM.generate`, awaited; every prompt in flight at once. No progress bar unless
         `use_tqdm=True` (many generations at once would draw over each other)."""
-        requests = prepare(self, prompts, steering, capture, sampling)
-        outputs = await self._engine.generate(
-            [r.prompt for r in requests],
-            [r.sampling for r in requests],
-            [r.extra_args() for r in requests],
-            use_tqdm=use_tqdm,
-        )
-        ids = capture_ids(requests)
-        if ids:
-            rows = await self._engine.take_captures(ids)
-            deliver_all(requests, outputs, rows, str(self.model_path))
-        return outputs
+        return await agenerate(self, prompts, steering, capture, sampling, use_tqdm)
 
     async def stream(
         self,
@@ -82,17 +71,18 @@ class AsyncLLM(LocalModel):
     ) -> AsyncIterator[Output]:
         """One prompt's output as it grows (token ids and text so far); the last one is the
         final output and carries the captures. Leaving the loop early aborts the request."""
-        requests = prepare(self, prompt, steering, capture, sampling)
+        names = await self.backend.steering_names()
+        requests = prepare(self, prompt, steering, capture, sampling, names)
         if len(requests) != 1:
             raise ValueError(f"stream takes one prompt, got {len(requests)}; use generate")
         (req,) = requests
-        stream = self._engine.stream(req.prompt, req.sampling, req.extra_args())
+        stream = self.backend.stream(req.prompt, req.sampling, req.specs())
         async for out, finished in stream:
             if finished and req.capture is not None:
-                rows = await self._engine.take_captures([req.capture_id])
-                deliver(req, out, rows.get(req.capture_id, {}), 0, str(self.model_path))
+                rows = await self.backend.take_captures([req.capture_id])
+                deliver(req, out, rows.get(req.capture_id, {}), 0, self.model_name)
             yield out
 
     async def step_stats(self) -> dict[str, int]:
         """Forward steps run so far and how many ran uncompiled (see `LLM.step_stats`)."""
-        return await self._engine.step_stats()
+        return await self.backend.step_stats()

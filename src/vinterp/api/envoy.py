@@ -6,18 +6,24 @@ replacement write. Outside a trace they explain where to use them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from vinterp.api.trace import Trace
 from vinterp.sites.params import is_param_prefix
 
-if TYPE_CHECKING:
-    from vinterp.api.llm import LLM
+
+class TraceSource(Protocol):
+    """The model whose module tree this is (`vinterp.api.front_end.TraceFrontEnd`)."""
+
+    config: Any
+
+    def active_trace(self) -> Trace: ...
 
 
 class SitePoint:
     """A module position with `.input` and/or `.output` sites (e.g. `layers.3.mlp`)."""
 
-    def __init__(self, llm: LLM, prefix: str) -> None:
+    def __init__(self, llm: TraceSource, prefix: str) -> None:
         object.__setattr__(self, "_llm", llm)
         object.__setattr__(self, "_prefix", prefix)
 
@@ -26,25 +32,25 @@ class SitePoint:
 
     @property
     def input(self) -> Any:
-        return self._llm._active_trace()._read(self._site("input"))
+        return self._llm.active_trace().record_read(self._site("input"))
 
     @input.setter
     def input(self, value: Any) -> None:
-        self._llm._active_trace()._write(self._site("input"), value)
+        self._llm.active_trace().record_write(self._site("input"), value)
 
     @property
     def output(self) -> Any:
-        return self._llm._active_trace()._read(self._site("output"))
+        return self._llm.active_trace().record_read(self._site("output"))
 
     @output.setter
     def output(self, value: Any) -> None:
-        self._llm._active_trace()._write(self._site("output"), value)
+        self._llm.active_trace().record_write(self._site("output"), value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         if name == "weight" and is_param_prefix(self._prefix):
-            return self._llm._active_trace()._param(f"{self._prefix}.weight")
+            return self._llm.active_trace().record_param(f"{self._prefix}.weight")
         if is_param_prefix(f"{self._prefix}.{name}"):
             return ParamPoint(self._llm, f"{self._prefix}.{name}")
         parts = ".input, .output" + (", .attn, .mlp" if self._prefix.count(".") == 1 else "")
@@ -69,7 +75,7 @@ class ParamPoint:
     """`llm.layers[i].self_attn.q_proj`, `...mlp.up_proj`: a module whose `.weight` a trace
     reads, named as in the HF module tree."""
 
-    def __init__(self, llm: LLM, path: str) -> None:
+    def __init__(self, llm: TraceSource, path: str) -> None:
         object.__setattr__(self, "_llm", llm)
         object.__setattr__(self, "_path", path)
 
@@ -77,7 +83,7 @@ class ParamPoint:
         if name.startswith("_"):
             raise AttributeError(name)
         if name == "weight" and is_param_prefix(self._path) and self._path.count(".") == 3:
-            return self._llm._active_trace()._param(f"{self._path}.weight")
+            return self._llm.active_trace().record_param(f"{self._path}.weight")
         if is_param_prefix(f"{self._path}.{name}"):
             return ParamPoint(self._llm, f"{self._path}.{name}")
         raise AttributeError(f"{self._path} has no parameter module {name!r}")
@@ -92,16 +98,16 @@ class ParamPoint:
 class ModulePoint(SitePoint):
     """A site position that is also a function inside a trace (`llm.final_norm(x)`)."""
 
-    def __init__(self, llm: LLM, prefix: str, function: str) -> None:
+    def __init__(self, llm: TraceSource, prefix: str, function: str) -> None:
         super().__init__(llm, prefix)
         object.__setattr__(self, "_function", function)
 
     def __call__(self, value: Any) -> Any:
-        return self._llm._active_trace()._model_call(self._function, value)
+        return self._llm.active_trace().record_model_call(self._function, value)
 
 
 class Layer(SitePoint):
-    def __init__(self, llm: LLM, index: int) -> None:
+    def __init__(self, llm: TraceSource, index: int) -> None:
         super().__init__(llm, f"layers.{index}")
         object.__setattr__(self, "attn", SitePoint(llm, f"layers.{index}.attn"))
         object.__setattr__(self, "mlp", SitePoint(llm, f"layers.{index}.mlp"))
@@ -111,7 +117,7 @@ class Layer(SitePoint):
 class Layers:
     """`llm.layers`: indexable like the model's layer list (negative indices count back)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: TraceSource) -> None:
         self._llm = llm
 
     def __len__(self) -> int:
@@ -131,7 +137,7 @@ class Layers:
 class RawPoint:
     """`llm.raw.<module path>`: any engine module; `.input` / `.output` read it (save-only)."""
 
-    def __init__(self, llm: LLM, path: str = "") -> None:
+    def __init__(self, llm: TraceSource, path: str = "") -> None:
         object.__setattr__(self, "_llm", llm)
         object.__setattr__(self, "_path", path)
 
@@ -141,7 +147,7 @@ class RawPoint:
         if name in ("input", "output"):
             if not self._path:
                 raise AttributeError("name a module: llm.raw.<module path>.output")
-            return self._llm._active_trace()._read(f"raw.{self._path}.{name}")
+            return self._llm.active_trace().record_read(f"raw.{self._path}.{name}")
         return RawPoint(self._llm, f"{self._path}.{name}" if self._path else name)
 
     def __getitem__(self, index: int) -> RawPoint:

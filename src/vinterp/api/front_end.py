@@ -1,7 +1,8 @@
 """What `vinterp.LLM`, `vinterp.AsyncLLM` and the clients share: the module tree a trace is
-written against and the trace context. A subclass gives the model description (`config`,
-`backend`, `pipeline_parallel_size`), `_encode` (its tokenizer) and a backend
-(`_engine.run_trace`, a coroutine function where `asynchronous` is set)."""
+written against, the trace context, and the backend that runs both. A subclass sets the
+model description (`config`, `pipeline_parallel_size`, `model_name`), `encode` (its
+tokenizer) and `backend` (a `vinterp.engine.backend.Backend`, or an `AsyncBackend` where
+`asynchronous` is set)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
-from vinterp.api.trace import Trace
-
-Prompt = str | list[int]
+from vinterp.api.trace import Prompt, Trace
 
 # The trace being recorded, per front-end: a context variable, so that concurrent tasks (and
 # threads) each record their own trace on one shared model. Never mutated, only replaced.
@@ -20,9 +19,9 @@ _RECORDING: ContextVar[dict[int, Trace]] = ContextVar("vinterp_recording", defau
 
 class TraceFrontEnd:
     config: Any
-    backend: str
     pipeline_parallel_size: int
-    _engine: Any
+    model_name: str  # what capture files name as the model
+    backend: Any
     asynchronous = False  # traces run with `async with`, generate is awaited
 
     def _init_front_end(self) -> None:
@@ -32,11 +31,12 @@ class TraceFrontEnd:
         self.lm_head = ModulePoint(self, "lm_head", "lm_head")
         self.raw = RawPoint(self)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         """Token ids of a text prompt (the model's tokenizer)."""
         raise NotImplementedError
 
-    def _tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
+    def tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt (a text, or token ids already)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -44,7 +44,7 @@ class TraceFrontEnd:
         token_lists = []
         for prompt in prompts:  # type: ignore[union-attr]
             if isinstance(prompt, str):
-                token_lists.append(self._encode(prompt))
+                token_lists.append(self.encode(prompt))
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 token_lists.append(list(prompt))
             else:
@@ -56,20 +56,22 @@ class TraceFrontEnd:
     def trace(self, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any) -> Trace:
         """Record reads, writes and saves in the `with` body; run them at its exit (with a
         progress bar over the invokes unless `use_tqdm=False`)."""
-        return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)  # type: ignore[arg-type]
+        return Trace(self, prompt, use_tqdm=use_tqdm, **sampling)
 
-    def _begin_trace(self, trace: Trace) -> None:
+    def begin_trace(self, trace: Trace) -> None:
+        """Make `trace` the one this task records into (called at the `with` entry)."""
         recording = _RECORDING.get()
         if id(self) in recording:
             raise RuntimeError("traces on one model cannot be nested")
         _RECORDING.set({**recording, id(self): trace})
 
-    def _end_trace(self, trace: Trace) -> None:
+    def end_trace(self, trace: Trace) -> None:
         recording = _RECORDING.get()
         if recording.get(id(self)) is trace:
             _RECORDING.set({k: v for k, v in recording.items() if k != id(self)})
 
-    def _active_trace(self) -> Trace:
+    def active_trace(self) -> Trace:
+        """The trace this task is recording on this model."""
         trace = _RECORDING.get().get(id(self))
         if trace is None:
             raise RuntimeError("site values exist only inside `with llm.trace(...):`")
@@ -82,13 +84,13 @@ class TraceFrontEnd:
     @property
     def logits(self) -> Any:
         """Logits used to sample this step's token, (1, V)."""
-        return self._active_trace()._read("logits")
+        return self.active_trace().record_read("logits")
 
     @logits.setter
     def logits(self, value: Any) -> None:
-        self._active_trace()._write("logits", value)
+        self.active_trace().record_write("logits", value)
 
     @property
     def samples(self) -> Any:
         """The token id sampled this step, (1,)."""
-        return self._active_trace()._read("samples")
+        return self.active_trace().record_read("samples")

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.fast import capture_ids, deliver_all, prepare
-from vinterp.api.front_end import Prompt, TraceFrontEnd
-from vinterp.api.specs import Capture, Request, Steering
+from vinterp.api.front_end import TraceFrontEnd
+from vinterp.api.requests import Request, generate
 from vinterp.api.steering_control import SteeringControl
+from vinterp.api.trace import Prompt
+from vinterp.engine.backend import Backend
 from vinterp.engine.outputs import Output
 from vinterp.sites.modules import check_site_paths
+from vinterp.wire.specs import Capture, Steering
 
 BACKENDS = ("vllm", "hf")
 
@@ -19,8 +21,6 @@ class LocalModel(TraceFrontEnd):
     """What `LLM` and `AsyncLLM` share: a checkpoint on this machine, its configuration and
     tokenizer (loaded before any engine starts, so bad arguments fail fast), the engine's
     lifetime."""
-
-    _engine: Any
 
     def _load(
         self,
@@ -40,7 +40,7 @@ class LocalModel(TraceFrontEnd):
 
             model = bundled()
         self.model_path = model
-        self.backend = backend
+        self.model_name = str(model)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -61,14 +61,14 @@ class LocalModel(TraceFrontEnd):
     def engine(self) -> Any:
         """The underlying `vllm.LLM` (vLLM's `AsyncLLM` for vinterp.AsyncLLM; the transformers
         model with backend="hf")."""
-        return getattr(self._engine, "llm", None) or getattr(self._engine, "model", None)
+        return self.backend.native
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
     def shutdown(self) -> None:
         """Stop the engine and its worker processes (also done at interpreter exit)."""
-        self._engine.shutdown()
+        self.backend.shutdown()
 
     def __enter__(self) -> Any:
         return self
@@ -114,11 +114,13 @@ class LLM(LocalModel):
                 engine_kwargs.pop(graph_setting, None)
             from vinterp.engine.hf_engine import HFEngine
 
-            self._engine = HFEngine(Path(model), dtype, self.tokenizer, sites, **engine_kwargs)
+            self.backend: Backend = HFEngine(
+                Path(model), dtype, self.tokenizer, sites, **engine_kwargs
+            )
         else:
             from vinterp.engine.vllm_engine import VLLMEngine
 
-            self._engine = VLLMEngine(
+            self.backend = VLLMEngine(
                 model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
             )
         self._init_front_end()
@@ -136,25 +138,14 @@ class LLM(LocalModel):
 
         Sampling options are vLLM's (greedy, 16 tokens by default). Specs are checked against
         the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
-        requests = prepare(self, prompts, steering, capture, sampling)
-        fast = any(r.extra_args() for r in requests)
-        outputs = self._engine.generate(
-            [r.prompt for r in requests],
-            [r.sampling for r in requests],
-            [r.extra_args() for r in requests] if fast else None,
-            use_tqdm=use_tqdm,
-        )
-        ids = capture_ids(requests)
-        if ids:
-            deliver_all(requests, outputs, self._engine.take_captures(ids), str(self.model_path))
-        return outputs
+        return generate(self, prompts, steering, capture, sampling, use_tqdm)
 
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
         graphs (steps that trace or capture); steering alone never leaves the graphs.
         "watched": requests looked at for captures and traces, summed over steps (a capture
         is no longer looked at once its last position is computed)."""
-        return self._engine.step_stats()
+        return self.backend.step_stats()
 
 
 def checkpoint_dtype(config: Any) -> str:

@@ -12,27 +12,40 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-import vinterp
-from vinterp.api.errors import InterventionError, OutOfOrderError, TraceError
 from vinterp.api.values import Value
+from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
+from vinterp.errors import InterventionError, OutOfOrderError, TraceError
 from vinterp.ir.graph import STEP_ZERO, Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan, PlanError, make_plan
+from vinterp.runtime.executor import TraceResult
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.sites.params import param_shape, parse_param
 from vinterp.sites.raw import is_raw
 
-if TYPE_CHECKING:
-    from vinterp.api.llm import LLM, Prompt
-    from vinterp.runtime.executor import TraceResult
+Prompt = str | list[int]
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_PACKAGE_DIR = os.path.dirname(vinterp.__file__)
+
+class TraceHost(Protocol):
+    """The model a trace is recorded against (`vinterp.api.front_end.TraceFrontEnd`)."""
+
+    config: Any
+    pipeline_parallel_size: int
+    asynchronous: bool
+    backend: Any  # a Backend, or an AsyncBackend when `asynchronous`
+
+    def tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]: ...
+
+    def begin_trace(self, trace: Trace) -> None: ...
+
+    def end_trace(self, trace: Trace) -> None: ...
 
 
 def _user_line() -> str:
@@ -49,7 +62,7 @@ class Trace:
     """One traced request batch: invokes (prompts), their interventions and saves."""
 
     def __init__(
-        self, llm: LLM, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any
+        self, llm: TraceHost, prompt: Prompt | None = None, use_tqdm: bool = True, **sampling: Any
     ) -> None:
         self._llm = llm
         self._use_tqdm = use_tqdm
@@ -63,7 +76,7 @@ class Trace:
         self._saved: dict[int, tuple[Value, int]] = {}
         self._consts: dict[int, tuple[torch.Tensor, int]] = {}
         self._metas: dict[int, torch.Tensor | None] = {}
-        self.outputs: list[vinterp.Output] = []
+        self.outputs: list[Output] = []
 
     # -- contexts ---------------------------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -72,7 +85,7 @@ class Trace:
         return self._enter()
 
     def _enter(self) -> Trace:
-        self._llm._begin_trace(self)
+        self._llm.begin_trace(self)
         if self._implicit_prompt is not None:
             self._open_invoke(self._implicit_prompt, {})
         return self
@@ -81,7 +94,7 @@ class Trace:
         plan, frame = self._close(exc_type is not None), sys._getframe(1)
         if plan is not None:
             with _as_trace_errors():
-                result = self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
+                result = self._llm.backend.run_trace(self.graph, plan, self._use_tqdm)
             self._finish(result, frame)
 
     async def __aenter__(self) -> Trace:
@@ -95,12 +108,12 @@ class Trace:
         plan, frame = self._close(exc_type is not None), sys._getframe(1)
         if plan is not None:
             with _as_trace_errors():
-                result = await self._llm._engine.run_trace(self.graph, plan, self._use_tqdm)
+                result = await self._llm.backend.run_trace(self.graph, plan, self._use_tqdm)
             self._finish(result, frame)
 
     def _close(self, failed: bool) -> Plan | None:
         """Stop recording; the plan to run, or None when the body raised."""
-        self._llm._end_trace(self)
+        self._llm.end_trace(self)
         self._invoke = None
         if failed:
             return None
@@ -119,7 +132,7 @@ class Trace:
     def _open_invoke(self, prompt: Prompt, sampling: dict[str, Any]) -> None:
         if self._invoke is not None:
             raise TraceError("invokes cannot be nested; close one before opening the next")
-        (ids,) = self._llm._tokenize(prompt)
+        (ids,) = self._llm.tokenize(prompt)
         self.graph.invokes.append(Invoke(ids, sampling_kwargs({**self._sampling, **sampling})))
         self._invoke = len(self.graph.invokes) - 1
 
@@ -132,9 +145,9 @@ class Trace:
 
     def _to_ref(self, obj: Any) -> Any:
         if isinstance(obj, Value):
-            if obj._trace is not self:
+            if obj.recorder is not self:
                 raise TraceError("a value from another trace cannot be used here")
-            return ref(obj._node)
+            return ref(obj.node)
         if isinstance(obj, torch.Tensor):
             if id(obj) not in self._consts:
                 self.graph.tensors.append(obj.detach().cpu())
@@ -169,14 +182,14 @@ class Trace:
             return torch.empty(1, dtype=torch.long, device="meta")
         return torch.empty(tokens, config.hidden_size, device="meta")
 
-    def _read(self, site: str) -> Value:
+    def record_read(self, site: str) -> Value:
         invoke = self._current_invoke(f"reading {site}")
         node = self._add("read", site, [], {}, invoke)
         meta = self._site_meta(site, invoke)
         self._metas[node] = meta
         return Value(self, node, meta, site)
 
-    def _write(self, site: str, value: Any, index: Any = None) -> int:
+    def record_write(self, site: str, value: Any, index: Any = None) -> int:
         invoke = self._current_invoke(f"writing {site}")
         args = [encode_arg(value, self._to_ref)]
         if index is not None:
@@ -201,44 +214,44 @@ class Trace:
         self._metas[node] = site_meta
         return node
 
-    def _setitem(self, target: Value, index: Any, value: Any) -> None:
-        if target._site is not None and self.graph.nodes[target._node].kind in ("read", "write"):
-            target._node = self._write(target._site, value, index)
+    def record_setitem(self, target: Value, index: Any, value: Any) -> None:
+        if target.site is not None and self.graph.nodes[target.node].kind in ("read", "write"):
+            target.node = self.record_write(target.site, value, index)
         else:
-            target._node = self._call("op.index_put", (target, index, value), {})._node
+            target.node = self.record_call("op.index_put", (target, index, value), {}).node
 
-    def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Value:
+    def record_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Value:
         encoded_args = [encode_arg(a, self._to_ref) for a in args]
         encoded_kwargs = {k: encode_arg(v, self._to_ref) for k, v in kwargs.items()}
         invoke = self._invoke
         if invoke is None:
-            invokes = [v._trace.graph.nodes[v._node].invoke for v in _values_in((args, kwargs))]
+            invokes = [self.graph.nodes[v.node].invoke for v in _values_in((args, kwargs))]
             invoke = max(invokes, default=-1)
         node = self._add("call", name, encoded_args, encoded_kwargs, invoke)
         meta = self._infer_meta(name, args, kwargs)
         if isinstance(meta, tuple):  # e.g. topk -> (values, indices): one value per item
             self._metas[node] = None
             items = [
-                self._call("op.getitem", (Value(self, node, None, None), i), {})
+                self.record_call("op.getitem", (Value(self, node, None, None), i), {})
                 for i in range(len(meta))
             ]
             for item, item_meta in zip(items, meta):
-                item._meta = self._metas[item._node] = item_meta
+                item.meta = self._metas[item.node] = item_meta
             return type(meta)(items) if type(meta) is not tuple else tuple(items)
         self._metas[node] = meta
         return Value(self, node, meta, None)
 
-    def _model_call(self, function: str, value: Any) -> Value:
-        return self._call(f"model.{function}", (value,), {})
+    def record_model_call(self, function: str, value: Any) -> Value:
+        return self.record_call(f"model.{function}", (value,), {})
 
-    def _param(self, name: str) -> Value:
+    def record_param(self, name: str) -> Value:
         """A parameter's value in its HF shape (read-only: computing with it makes copies)."""
         try:
             parse_param(name, int(self._llm.config.num_hidden_layers))
         except UnknownSiteError as exc:
             self._record_error(str(exc))
         self._current_invoke(f"reading {name}")
-        return self._call("model.param", (name,), {})
+        return self.record_call("model.param", (name,), {})
 
     def _meta_value(self, obj: Any) -> Any:
         """`obj` with symbolic values and tensors replaced by meta tensors (or _UnknownShape)."""
@@ -280,11 +293,11 @@ class Trace:
             return result
         return result if isinstance(result, torch.Tensor) else None
 
-    def _save(self, value: Value) -> None:
-        self.graph.saves.append(value._node)
-        self._saved[id(value)] = (value, value._node)
+    def record_save(self, value: Value) -> None:
+        self.graph.saves.append(value.node)
+        self._saved[id(value)] = (value, value.node)
 
-    def _control_flow_error(self, what: str) -> TypeError:
+    def control_flow_error(self, what: str) -> TypeError:
         return TypeError(
             f"{_user_line()}: {what} of a traced value needs its value, which exists only when "
             "the engine runs; use torch.where(...) inside the trace, or save the value and "
@@ -299,7 +312,7 @@ class Trace:
             raise self._errors[0]
         if not self.graph.invokes:
             raise TraceError("a trace needs a prompt: llm.trace(prompt) or tr.invoke(prompt)")
-        num_layers, stages = len(self._llm.layers), self._llm.pipeline_parallel_size
+        num_layers, stages = self._sites.num_layers, self._llm.pipeline_parallel_size
         return make_plan(self.graph, self._sites, last_stage_start(num_layers, stages))
 
     def _finish(self, result: TraceResult, frame: Any) -> None:

@@ -6,34 +6,47 @@ so shapes are known at trace time and shape mismatches are found before anything
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vinterp.ir.ops import TENSOR_METHODS, name_of_torch_function
 
-if TYPE_CHECKING:
-    from vinterp.api.trace import Trace
+
+class Recorder(Protocol):
+    """The trace a value belongs to (`vinterp.api.trace.Trace`): what values record into."""
+
+    def record_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+    def record_save(self, value: Value) -> None: ...
+
+    def record_setitem(self, target: Value, index: Any, value: Any) -> None: ...
+
+    def control_flow_error(self, what: str) -> TypeError: ...
 
 
 class Value:
-    """A tensor that will exist when the engine runs the trace."""
+    """A tensor that will exist when the engine runs the trace: the node of the trace's
+    graph that computes it, its shape as a meta tensor (None: unknown at trace time), and the
+    site it was read from (None for computed values)."""
 
-    __slots__ = ("_trace", "_node", "_meta", "_site")
+    __slots__ = ("recorder", "node", "meta", "site")
 
-    def __init__(self, trace: Trace, node: int, meta: torch.Tensor | None, site: str | None):
-        self._trace, self._node, self._meta, self._site = trace, node, meta, site
+    def __init__(
+        self, recorder: Recorder, node: int, meta: torch.Tensor | None, site: str | None
+    ) -> None:
+        self.recorder, self.node, self.meta, self.site = recorder, node, meta, site
 
     # -- what is known at trace time ------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
-        if self._meta is None:
+        if self.meta is None:
             raise TypeError("the shape of this value is not known at trace time")
-        return self._meta.shape
+        return self.meta.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._meta.dtype if self._meta is not None else torch.float32
+        return self.meta.dtype if self.meta is not None else torch.float32
 
     def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
@@ -46,12 +59,12 @@ class Value:
 
     def save(self) -> Value:
         """Keep this value: after the `with` block the name holds a CPU tensor."""
-        self._trace._save(self)
+        self.recorder.record_save(self)
         return self
 
     # -- recording ------------------------------------------------------------------------
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Value:
-        return self._trace._call(name, args, kwargs)
+        return self.recorder.record_call(name, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if name in TENSOR_METHODS:
@@ -64,7 +77,7 @@ class Value:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        trace = next(a._trace for a in _flatten((args, kwargs)) if isinstance(a, Value))
+        trace = next(a.recorder for a in _flatten((args, kwargs)) if isinstance(a, Value))
         name = name_of_torch_function(func)
         if name is None:
             method = getattr(func, "__name__", "")
@@ -72,35 +85,35 @@ class Value:
                 name = f"Tensor.{method}"
         if name is None:
             raise TypeError(f"{getattr(func, '__name__', func)} cannot be used inside a trace")
-        return trace._call(name, args, kwargs)
+        return trace.record_call(name, args, kwargs)
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        self._trace._setitem(self, index, value)
+        self.recorder.record_setitem(self, index, value)
 
     def __bool__(self) -> bool:
-        raise self._trace._control_flow_error("bool()")
+        raise self.recorder.control_flow_error("bool()")
 
     def __int__(self) -> int:
-        raise self._trace._control_flow_error("int()")
+        raise self.recorder.control_flow_error("int()")
 
     def __float__(self) -> float:
-        raise self._trace._control_flow_error("float()")
+        raise self.recorder.control_flow_error("float()")
 
     def __index__(self) -> int:
-        raise self._trace._control_flow_error("use as an index")
+        raise self.recorder.control_flow_error("use as an index")
 
     def __iter__(self) -> Any:
-        raise self._trace._control_flow_error("iteration")
+        raise self.recorder.control_flow_error("iteration")
 
     def __repr__(self) -> str:
-        shape = tuple(self._meta.shape) if self._meta is not None else "?"
-        return f"<vinterp.Value node {self._node} shape {shape}>"
+        shape = tuple(self.meta.shape) if self.meta is not None else "?"
+        return f"<vinterp.Value node {self.node} shape {shape}>"
 
 
 def _binary(op: str, reflected: bool = False) -> Any:
     if reflected:
-        return lambda self, other: self._trace._call(f"op.{op}", (other, self), {})
-    return lambda self, other: self._trace._call(f"op.{op}", (self, other), {})
+        return lambda self, other: self.recorder.record_call(f"op.{op}", (other, self), {})
+    return lambda self, other: self.recorder.record_call(f"op.{op}", (self, other), {})
 
 
 for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_"):
@@ -111,9 +124,11 @@ for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
     setattr(Value, f"__{_op}__", _binary(_op))
 for _op in ("neg", "pos", "abs", "invert"):
     setattr(
-        Value, f"__{_op}__", (lambda o: lambda self: self._trace._call(f"op.{o}", (self,), {}))(_op)
+        Value,
+        f"__{_op}__",
+        (lambda o: lambda self: self.recorder.record_call(f"op.{o}", (self,), {}))(_op),
     )
-Value.__getitem__ = lambda self, index: self._trace._call("op.getitem", (self, index), {})  # type: ignore[method-assign]
+Value.__getitem__ = lambda self, index: self.recorder.record_call("op.getitem", (self, index), {})  # type: ignore[method-assign]
 Value.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 

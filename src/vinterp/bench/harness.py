@@ -149,7 +149,7 @@ def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dic
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` runs after one warm-up (scripts/gpu_check.py's measure)."""
+    """Best wall time of `repeats` runs after one warm-up."""
     return timed(fn, repeats).best
 
 

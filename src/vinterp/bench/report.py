@@ -1,5 +1,5 @@
 """The bench's results as `bench.json`, `bench.md` (Markdown tables) and `bench.png` (bars):
-the fast-path rows against plain vLLM, then the peers against vinterp."""
+the steering, capture and trace rows against plain vLLM, then the peers against vinterp."""
 
 from __future__ import annotations
 
@@ -119,20 +119,20 @@ def markdown(report: Report) -> str:
 
 
 def chart(report: Report, path: str | Path) -> Path:
-    """Bars: each fast-path row's ratio to plain vLLM (target marked), and each tool's time
+    """Bars: each vinterp row's ratio to plain vLLM (target marked), and each tool's time
     on each peer workload relative to vinterp's (log scale; tools that did not run or gave a
     wrong answer are labelled)."""
     from matplotlib.figure import Figure
 
-    panels = [("fastpath", report.rows)] if report.rows else []
+    panels = [("vinterp", report.rows)] if report.rows else []
     panels += [(w, [r for r in report.peers if r.workload == w]) for w in WORKLOAD_TITLES]
     panels = [(kind, rows) for kind, rows in panels if rows]
     heights = [0.9 + 0.32 * len(rows) for _, rows in panels]
     fig = Figure(figsize=(12, sum(heights) + 0.5), layout="constrained")
     axes = fig.subplots(len(panels), 1, height_ratios=heights, squeeze=False)[:, 0]
     for ax, (kind, rows) in zip(axes, panels):
-        if kind == "fastpath":
-            _fastpath_panel(ax, rows)
+        if kind == "vinterp":
+            _vinterp_panel(ax, rows)
         else:
             _peer_panel(ax, kind, rows)
     fig.suptitle(f"vinterp bench, {report.machine['device']}, {report.machine['date'][:10]}")
@@ -141,7 +141,7 @@ def chart(report: Report, path: str | Path) -> Path:
     return path
 
 
-def _fastpath_panel(ax: Any, rows: list[Row]) -> None:
+def _vinterp_panel(ax: Any, rows: list[Row]) -> None:
     names = [row.name for row in rows][::-1]
     ratios = [row.ratio for row in rows][::-1]
     colors = ["tab:red" if row.verdict.startswith("OVER TARGET") else "tab:blue" for row in rows][

@@ -15,25 +15,26 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from vinterp.engine.backend import Captured, capture_ids_of
+from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.outputs import Output
-from vinterp.engine.plugin import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import (
-    capture_ids_of,
     collected_result,
     engine_arguments,
-    fast_params,
     freeze_startup_heap,
     invoke_params,
+    request_params,
     to_output,
     traced_rounds,
     unapplied_error,
     vllm_prompt,
 )
-from vinterp.fastpath.capture_store import merge_captures
+from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import TraceResult
 from vinterp.wire.graph import to_wire
+from vinterp.wire.specs import RequestSpecs, Steering
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -82,12 +83,15 @@ async def run_trace(
 
 
 class AsyncVLLMEngine:
-    """Owns one vLLM `AsyncLLM`, on a private event loop in its own thread.
+    """The async vLLM backend: owns one vLLM `AsyncLLM`, on a private event loop in its own
+    thread.
 
     vLLM's engine client binds its output handler to the loop it first ran on; keeping it on
     a loop of its own lets callers on any loop (several `asyncio.run` calls, a notebook's
     loop, threads) share one engine. Every call hops onto that loop and back; cancelling the
     caller cancels the request there (vLLM then aborts it)."""
+
+    name = "vllm"
 
     def __init__(
         self,
@@ -117,7 +121,12 @@ class AsyncVLLMEngine:
         freeze_startup_heap()
         self._prefix_caching = bool(self.llm.vllm_config.cache_config.enable_prefix_caching)
         self._global_steering = False
+        self._named: set[str] = set()
         atexit.register(self.shutdown)
+
+    @property
+    def native(self) -> Any:
+        return self.llm
 
     async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
@@ -132,27 +141,26 @@ class AsyncVLLMEngine:
         self,
         prompts: list[list[int]],
         sampling: list[dict[str, Any]],
-        fast: list[dict[str, Any] | None] | None = None,
+        specs: list[RequestSpecs | None],
         use_tqdm: bool = True,
     ) -> list[Output]:
         """Every prompt in flight at once (vLLM batches them); outputs in prompt order."""
-        fast = fast or [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
 
-        async def one(ids: list[int], s: dict[str, Any], f: dict[str, Any] | None) -> Output:
-            prompt = self._prompt(ids, f is not None)
-            out = await final_output(self.llm, prompt, fast_params(s, f))
+        async def one(ids: list[int], s: dict[str, Any], r: RequestSpecs | None) -> Output:
+            prompt = self._prompt(ids, r is not None)
+            out = await final_output(self.llm, prompt, request_params(s, r))
             bar.update()
             return out
 
         async def every() -> list[Output]:
-            return list(await asyncio.gather(*(one(*a) for a in zip(prompts, sampling, fast))))
+            return list(await asyncio.gather(*(one(*a) for a in zip(prompts, sampling, specs))))
 
         try:
             outputs = await self._on_loop(every())
         finally:
             bar.close()
-        await self._check_applied(capture_ids_of(fast))
+        await self._check_applied(capture_ids_of(specs))
         return outputs
 
     async def _check_applied(self, capture_ids: list[str]) -> None:
@@ -166,7 +174,7 @@ class AsyncVLLMEngine:
             raise error
 
     async def stream(
-        self, prompt: list[int], sampling: dict[str, Any], fast: dict[str, Any] | None
+        self, prompt: list[int], sampling: dict[str, Any], specs: RequestSpecs | None
     ) -> AsyncIterator[tuple[Output, bool]]:
         """(partial output, finished) as vLLM makes them; leaving early aborts the request."""
         caller = asyncio.get_running_loop()
@@ -177,10 +185,10 @@ class AsyncVLLMEngine:
 
         async def pump() -> None:
             try:
-                params = fast_params(sampling, fast)
+                params = request_params(sampling, specs)
                 request_id = f"vinterp-{uuid.uuid4().hex}"
                 async for out in self.llm.generate(
-                    self._prompt(prompt, fast is not None), params, request_id
+                    self._prompt(prompt, specs is not None), params, request_id
                 ):
                     send("output", (to_output(out), bool(out.finished)))
             except Exception as exc:  # handed to the consumer, which raises it
@@ -203,22 +211,26 @@ class AsyncVLLMEngine:
         finally:
             running.cancel()
 
-    async def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+    async def take_captures(self, capture_ids: list[str]) -> Captured:
         rpc = self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,))
         return merge_captures(await self._on_loop(rpc))
 
     async def step_stats(self) -> dict[str, int]:
         return (await self._on_loop(self.llm.collective_rpc("vinterp_step_stats")))[0]
 
-    async def set_global_steering(self, specs: list[Any]) -> None:
-        wires = [s.to_wire() for s in specs]
+    async def set_global_steering(self, steering: list[Steering]) -> None:
+        wires = [s.to_wire() for s in steering]
         await self._on_loop(self.llm.collective_rpc("vinterp_set_steering", args=(wires,)))
-        self._global_steering = bool(specs)
+        self._global_steering = bool(steering)
 
-    async def register_steering(self, name: str, spec: Any | None) -> None:
-        wire = None if spec is None else spec.to_wire()
+    async def register_steering(self, name: str, steering: Steering | None) -> None:
+        wire = None if steering is None else steering.to_wire()
         rpc = self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
         await self._on_loop(rpc)
+        self._named = self._named - {name} if steering is None else self._named | {name}
+
+    async def steering_names(self) -> set[str]:
+        return set(self._named)
 
     async def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         outputs, per_worker = await self._on_loop(
@@ -239,6 +251,9 @@ class AsyncVLLMEngine:
             log.debug("vLLM async engine shutdown raised", exc_info=True)
         self._stop_loop()
         gc.unfreeze()  # the engine's objects can be collected again
+
+    async def aclose(self) -> None:
+        self.shutdown()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

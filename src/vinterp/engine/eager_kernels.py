@@ -4,7 +4,7 @@ A compiled engine builds its layers for Inductor: CustomOps disabled (`forward_n
 vLLM IR ops on their "native" torch implementation, which the compiler fuses. A step that
 leaves the compiled code (a trace, a capture outside the graphs) would run those native ops
 one by one: on an H100 the bundled model's prefill forward took 49-53 ms that way against
-20.5 ms on vLLM's CUDA kernels (docs/GPU.md, eleventh session), and its values came from other
+20.5 ms on vLLM's CUDA kernels (docs/GPU.md), and its values came from other
 kernels than an `enforce_eager=True` engine's. For such a step the model's CustomOps take the
 method vLLM dispatches them to in an uncompiled engine (the platform kernel), and the IR ops
 the priority vLLM gives an uncompiled engine; both go back after the forward.

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vinterp.engine.hf_interventions import HFInterventions, RequestInterventions
+from vinterp.engine.backend import Captured
+from vinterp.engine.hf_interventions import HFInterventions, HFRequest
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
@@ -17,12 +18,16 @@ from vinterp.sites.hf_hooks import install_hf_hooks
 from vinterp.sites.modules import find_site_modules, unhooked
 from vinterp.sites.params import hf_param
 from vinterp.sites.raw import install_raw_hooks, raw_sites_of
+from vinterp.wire.specs import RequestSpecs, Steering
 
 SUPPORTED_SAMPLING = {"temperature", "max_tokens", "seed", "ignore_eos", "stop_token_ids"}
 
 
 class HFEngine:
-    """One prompt at a time with a KV cache: slow, but every step is plain transformers."""
+    """The transformers backend: one prompt at a time with a KV cache; slow, but every step
+    is plain transformers."""
+
+    name = "hf"
 
     def __init__(
         self,
@@ -41,7 +46,13 @@ class HFEngine:
         self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
         self.interventions = HFInterventions()
+        self.num_layers = int(self.model.config.num_hidden_layers)
+        self.steps = 0
         install_hf_hooks(self.sites, self._at_site)
+
+    @property
+    def native(self) -> Any:
+        return self.model
 
     def _at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
         """As in vLLM's workers: steering, capture, then the trace (which sees both)."""
@@ -69,7 +80,7 @@ class HFEngine:
             for k in tqdm(order, desc="invokes", disable=not use_tqdm or len(order) < 2):
                 invoke = graph.invokes[k]
                 self._check_sampling(invoke.sampling)
-                request = self.interventions.request(None, len(invoke.prompt))
+                request = self.interventions.request(None, len(invoke.prompt), self.num_layers)
                 outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, request, run, k)
         finally:
             for handle in raw_hooks:
@@ -86,15 +97,16 @@ class HFEngine:
         self,
         prompts: list[list[int]],
         sampling: list[dict[str, Any]],
-        fast: list[dict[str, Any] | None] | None = None,
+        specs: list[RequestSpecs | None],
         use_tqdm: bool = True,
     ) -> list[Output]:
-        """Generate for token-id prompts, in order, with vLLM's stopping rules; `fast` is the
-        requests' steering/capture data in the workers' wire form."""
+        """Generate for token-id prompts, in order, with vLLM's stopping rules."""
         for s in sampling:
             self._check_sampling(s)
-        fast = fast or [None] * len(prompts)
-        requests = [self.interventions.request(f, len(ids)) for ids, f in zip(prompts, fast)]
+        requests = [
+            self.interventions.request(r, len(ids), self.num_layers)
+            for ids, r in zip(prompts, specs)
+        ]
         items = list(zip(prompts, sampling, requests))
         return [
             self._generate_one(ids, s, request)
@@ -103,18 +115,25 @@ class HFEngine:
             )
         ]
 
-    def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+    def take_captures(self, capture_ids: list[str]) -> Captured:
         """Captured rows per capture id and site, as the vLLM engine gives them."""
         return self.interventions.take(capture_ids)
 
-    def set_global_steering(self, specs: list[Any]) -> None:
-        self.interventions.global_steering = list(specs)
+    def set_global_steering(self, steering: list[Steering]) -> None:
+        self.interventions.global_steering = list(steering)
 
-    def register_steering(self, name: str, spec: Any | None) -> None:
-        if spec is None:
+    def register_steering(self, name: str, steering: Steering | None) -> None:
+        if steering is None:
             self.interventions.named.pop(name, None)
         else:
-            self.interventions.named[name] = spec
+            self.interventions.named[name] = steering
+
+    def steering_names(self) -> set[str]:
+        return set(self.interventions.named)
+
+    def step_stats(self) -> dict[str, int]:
+        """Forward steps run so far; none leaves compiled code (nothing is compiled)."""
+        return {"steps": self.steps, "uncompiled_steps": 0, "graph_capture_steps": 0}
 
     @staticmethod
     def _check_sampling(sampling: dict[str, Any]) -> None:
@@ -130,7 +149,7 @@ class HFEngine:
         self,
         prompt: list[int],
         sampling: dict[str, Any],
-        request: RequestInterventions,
+        request: HFRequest,
         run: TraceRun | None = None,
         invoke: int = 0,
     ) -> Output:
@@ -147,6 +166,7 @@ class HFEngine:
             self.interventions.current = request
             try:
                 out = self.model(input_ids=step_input, past_key_values=cache, use_cache=True)
+                self.steps += 1
                 cache = out.past_key_values
                 logits = out.logits[0, -1:].float()
                 replaced = self._at_site("logits", logits)

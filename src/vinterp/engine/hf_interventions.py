@@ -1,9 +1,9 @@
-"""Steering and capture on the HF backend: the reference that vLLM's fast path is checked
-against.
+"""Steering and capture on the HF backend: the reference that vLLM's steering and capture
+are checked against.
 
 Written from the API's definitions (API.md section 5), token by token, and independently of
-the workers' tables (`vinterp.fastpath`), so that a test comparing the two backends checks
-the fast path against the definition, not against itself. The order at a site is the
+the workers' tables (`vinterp.interventions`), so that a test comparing the two backends checks
+the workers' tables against the definition, not against itself. The order at a site is the
 workers': steering first, then capture (which records the steered value), then a trace.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from vinterp.api.specs import Steering
-from vinterp.wire.tensors import tensor_from_wire
+from vinterp.sites.names import SiteOrder
+from vinterp.wire.specs import RequestSpecs, Steering
 
 
 def steers(spec: Steering, position: int, prompt_len: int) -> bool:
@@ -40,7 +40,7 @@ def captures(positions: str | list[int], position: int, prompt_len: int) -> bool
 
 
 @dataclass
-class RequestInterventions:
+class HFRequest:
     """One request's steering (global, named, its own, in that order) and capture."""
 
     steering: list[Steering]
@@ -57,22 +57,23 @@ class HFInterventions:
 
     global_steering: list[Steering] = field(default_factory=list)
     named: dict[str, Steering] = field(default_factory=dict)
-    current: RequestInterventions | None = None  # the request whose step is running
+    current: HFRequest | None = None  # the request whose step is running
     _captured: dict[str, dict[str, dict[int, torch.Tensor]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(dict))
     )
 
-    def request(self, wire: dict[str, Any] | None, prompt_len: int) -> RequestInterventions:
-        """A request's interventions from its wire form (None: the global steering only)."""
-        wire = wire or {}
-        own = [_steering_from_wire(s) for s in wire.get("steering", [])]
-        named = [self.named[n] for n in wire.get("steering_names", []) if n in self.named]
-        request = RequestInterventions([*self.global_steering, *named, *own], prompt_len)
-        capture = wire.get("capture")
-        if capture is not None:
-            request.capture_id = capture["id"]
-            request.capture_sites = frozenset(capture["sites"])
-            request.capture_positions = capture["positions"]
+    def request(self, specs: RequestSpecs | None, prompt_len: int, num_layers: int) -> HFRequest:
+        """A request's interventions (None: the global steering only)."""
+        specs = specs or RequestSpecs()
+        named = [self.named[n] for n in specs.steering_names if n in self.named]
+        request = HFRequest([*self.global_steering, *named, *specs.steering], prompt_len)
+        if specs.capture is not None:
+            order = SiteOrder(num_layers)
+            request.capture_id = specs.capture_id
+            request.capture_sites = frozenset(
+                s for pattern in specs.capture.sites for s in order.expand(pattern)
+            )
+            request.capture_positions = specs.capture.positions
         return request
 
     def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
@@ -108,7 +109,7 @@ class HFInterventions:
 
 
 def _steered(
-    request: RequestInterventions, site: str, value: torch.Tensor, positions: range
+    request: HFRequest, site: str, value: torch.Tensor, positions: range
 ) -> torch.Tensor | None:
     """value + the sum of every applying spec's addend, computed in float32; a norm-matched
     addend is scaled by the token's norm before any steering at this site."""
@@ -127,8 +128,3 @@ def _steered(
             delta = torch.zeros(value.shape, dtype=torch.float32) if delta is None else delta
             delta[t] += addend
     return None if delta is None else value + delta.to(value.dtype)
-
-
-def _steering_from_wire(wire: dict[str, Any]) -> Steering:
-    vectors = {site: tensor_from_wire(v) for site, v in wire["vectors"].items()}
-    return Steering(vectors, **{k: v for k, v in wire.items() if k != "vectors"})

@@ -6,9 +6,9 @@ CPU: the KV cache size and the workers' cores (`cpu_settings`, DESIGN.md lesson 
 GPU: the engine's processes are spawned, not forked (vLLM forks when the parent has not
 initialised CUDA). On the lent H100s (microVMs with the GPU passed through), forked starts of
 vLLM 0.32's V2 runner stalled for minutes at its first pinned host allocation (`UvaBuffer`;
-docs/GPU.md "Where the start stalls"), plain vLLM alike; of the starts with spawned processes,
-none did. A spawned process re-imports the user's main module, which is why scripts keep their
-work under `if __name__ == "__main__":` (README), as vLLM asks anyway.
+docs/notes/gpu-log.md "Where the start stalls"), plain vLLM alike; of the starts with spawned
+processes, none did. A spawned process re-imports the user's main module, which is why scripts
+keep their work under `if __name__ == "__main__":` (README), as vLLM asks anyway.
 """
 
 from __future__ import annotations

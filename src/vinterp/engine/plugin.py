@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-CONFIG_KEY = "vinterp_sites"
-CAPTURE_IN_GRAPH_KEY = "vinterp_capture_in_graph"  # capture buffers in the compiled model
-CHECK_APPLIED_KEY = "vinterp_check_applied"  # counters of what the site ops applied
+from vinterp.engine.config_keys import CONFIG_KEY
 
 
 def wants_sites(runner: Any) -> bool:

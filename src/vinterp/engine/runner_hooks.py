@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from vllm.sequence import IntermediateTensors
 
 from vinterp.engine.eager_kernels import EagerKernels
-from vinterp.runtime.vllm_runtime import WorkerRuntime
+from vinterp.engine.site_ops import SiteCalls
+from vinterp.runtime.worker_runtime import StepMode, WorkerRuntime
 
 V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+# The mode of the step this thread's runner is executing, for vLLM functions that are not
+# the runner's own (V2's graph dispatch); set around each `execute_model` call.
+_EXECUTING: ContextVar[StepMode | None] = ContextVar("vinterp_executing", default=None)
 
 
 class UnsupportedRunnerError(RuntimeError):
@@ -54,18 +59,25 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[.
     setattr(owner, name, functools.wraps(original)(make(original)))
 
 
-def instrument(runner: Any, runtime: WorkerRuntime) -> None:
+def instrument(runner: Any, runtime: WorkerRuntime, calls: SiteCalls) -> None:
+    """Hook `runner`'s steps to `runtime`, whose handlers the sites reach through `calls`."""
     kind = runner_kind(runner)
+    calls.site, calls.stream = runtime.on_site, runtime.on_stream
 
     def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("dummy_run", False):
                 return original(scheduler_output, *args, **kwargs)
-            runtime.on_schedule(scheduler_output)
+            mode = runtime.on_schedule(scheduler_output)
+            calls.active = mode.uncompiled
             received = args[0] if args else kwargs.get("intermediate_tensors")
             if received is not None:  # from the previous pipeline stage
                 runtime.pipeline.take(received)
-            output = original(scheduler_output, *args, **kwargs)
+            executing = _EXECUTING.set(mode)
+            try:
+                output = original(scheduler_output, *args, **kwargs)
+            finally:
+                _EXECUTING.reset(executing)
             runtime.end_step()
             if runtime.python_step and isinstance(output, IntermediateTensors):
                 output.tensors.update(runtime.pipeline.pack(runtime.slots))  # to the next
@@ -152,9 +164,9 @@ def _instrument_v2(runner: Any, runtime: WorkerRuntime) -> None:
 
         def dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
-                from vinterp.runtime.site_ops import PYTHON
-
-                kwargs["need_eager"] = kwargs.get("need_eager", False) or PYTHON.active
+                mode = _EXECUTING.get()
+                uncompiled = mode is not None and mode.uncompiled
+                kwargs["need_eager"] = kwargs.get("need_eager", False) or uncompiled
                 return original(*args, **kwargs)
 
             run._vinterp = True  # type: ignore[attr-defined]

@@ -10,19 +10,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from vinterp.api.errors import InterventionError
+from vinterp.engine.backend import Captured, capture_ids_of
+from vinterp.engine.config_keys import (
+    CAPTURE_IN_GRAPH_KEY,
+    CHECK_APPLIED_KEY,
+    CONFIG_KEY,
+    SITE_PATHS_KEY,
+)
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
-from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CHECK_APPLIED_KEY, CONFIG_KEY
-from vinterp.fastpath.capture_buffers import buffer_setting, buffer_site_ids
-from vinterp.fastpath.capture_store import merge_captures
-from vinterp.fastpath.specs import FAST_KEY
+from vinterp.errors import InterventionError
+from vinterp.interventions.capture_buffers import buffer_setting, buffer_site_ids
+from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError, fit_rounds
 from vinterp.runtime.executor import Failure, TraceResult
-from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY, decode_saved
+from vinterp.runtime.worker_runtime import decode_saved
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.graph import to_wire
+from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
@@ -91,8 +97,9 @@ def vinterp_engine_settings(
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
     tokens), a fixed seed. `capture_in_graph` (True, or the sites) puts capture buffers into
-    the compiled model (`fastpath.capture_buffers`); `check_applied` counts what the sites
-    applied and checks it after every step (`fastpath.applied`; None: VINTERP_CHECK_APPLIED)."""
+    the compiled model (`interventions.capture_buffers`); `check_applied` counts what the sites
+    applied and checks it after every step (`interventions.applied`; None:
+    VINTERP_CHECK_APPLIED)."""
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
     return {
@@ -102,7 +109,7 @@ def vinterp_engine_settings(
         "additional_config": {
             # the plugin installs sites where this key is; part of the compile-cache key
             CONFIG_KEY: SITES_LAYOUT_VERSION,
-            "vinterp_site_paths": site_paths or {},
+            SITE_PATHS_KEY: site_paths or {},
             CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
             CHECK_APPLIED_KEY: bool(check_applied),
         },
@@ -173,7 +180,10 @@ def traced_rounds(graph: Graph, plan: Plan, vllm_config: Any) -> list[list[int]]
 
 
 class VLLMEngine:
-    """Owns one `vllm.LLM`; `shutdown()` stops its engine core and worker processes."""
+    """The vLLM backend: owns one `vllm.LLM`; `shutdown()` stops its engine core and worker
+    processes."""
+
+    name = "vllm"
 
     def __init__(
         self,
@@ -195,7 +205,12 @@ class VLLMEngine:
         cache_config = self.llm.llm_engine.vllm_config.cache_config
         self._prefix_caching = bool(cache_config.enable_prefix_caching)
         self._global_steering = False
+        self._named: set[str] = set()
         atexit.register(self.shutdown)
+
+    @property
+    def native(self) -> Any:
+        return self.llm
 
     def _prompt(self, ids: list[int], intervened: bool) -> dict[str, Any]:
         return vllm_prompt(ids, (intervened or self._global_steering) and self._prefix_caching)
@@ -204,18 +219,17 @@ class VLLMEngine:
         self,
         prompts: list[list[int]],
         sampling: list[dict[str, Any]],
-        fast: list[dict[str, Any] | None] | None = None,
+        specs: list[RequestSpecs | None],
         use_tqdm: bool = True,
     ) -> list[Output]:
-        """Generate for token-id prompts, in order; `fast` carries steering/capture data."""
-        fast = fast or [None] * len(prompts)
-        params = [fast_params(s, f) for s, f in zip(sampling, fast)]
+        """Generate for token-id prompts, in order, each with its steering and capture."""
+        params = [request_params(s, r) for s, r in zip(sampling, specs)]
         results = self.llm.generate(
-            [self._prompt(ids, f is not None) for ids, f in zip(prompts, fast)],
+            [self._prompt(ids, r is not None) for ids, r in zip(prompts, specs)],
             params,
             use_tqdm=use_tqdm,
         )
-        self._check_applied(capture_ids_of(fast))
+        self._check_applied(capture_ids_of(specs))
         return [to_output(r) for r in results]
 
     def _check_applied(self, capture_ids: list[str]) -> None:
@@ -229,7 +243,7 @@ class VLLMEngine:
                 self.take_captures(capture_ids)
             raise error
 
-    def take_captures(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
+    def take_captures(self, capture_ids: list[str]) -> Captured:
         """Captured rows per capture id and site, merged over workers (PP stages differ)."""
         return merge_captures(self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,)))
 
@@ -237,13 +251,17 @@ class VLLMEngine:
         """Forward steps run so far, and how many of them ran uncompiled (first worker)."""
         return self.llm.collective_rpc("vinterp_step_stats")[0]
 
-    def set_global_steering(self, specs: list[Any]) -> None:
-        self._global_steering = bool(specs)
-        self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in specs],))
+    def set_global_steering(self, steering: list[Steering]) -> None:
+        self._global_steering = bool(steering)
+        self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in steering],))
 
-    def register_steering(self, name: str, spec: Any | None) -> None:
-        wire = None if spec is None else spec.to_wire()
+    def register_steering(self, name: str, steering: Steering | None) -> None:
+        wire = None if steering is None else steering.to_wire()
         self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
+        self._named = self._named - {name} if steering is None else self._named | {name}
+
+    def steering_names(self) -> set[str]:
+        return set(self._named)
 
     def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Send the graph once, run the invokes round by round (each round in parts that fit
@@ -290,30 +308,20 @@ def freeze_startup_heap() -> None:
     freeze_gc_heap()
 
 
-def fast_params(sampling: dict[str, Any], fast: dict[str, Any] | None) -> Any:
-    """vLLM's sampling parameters for a request with (or without) steering/capture data.
+def request_params(sampling: dict[str, Any], specs: RequestSpecs | None) -> Any:
+    """vLLM's sampling parameters for a request with (or without) interventions.
 
     Each request gets its own object, so vLLM need not deep-copy it (with its extra_args) per
     request, as its own OpenAI server does not."""
     import vllm
 
-    extra_args = {FAST_KEY: fast} if fast else None
+    extra_args = {EXTRA_ARGS_KEY: specs.to_wire()} if specs is not None else None
     return vllm.SamplingParams(**{**sampling, "skip_clone": True}, extra_args=extra_args)
 
 
 def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
     """vLLM's sampling parameters for one invoke of a trace (the workers find it by them)."""
-    import vllm
-
-    return vllm.SamplingParams(
-        **{**graph.invokes[invoke].sampling, "skip_clone": True},  # one object per invoke
-        extra_args={EXTRA_ARGS_KEY: {"trace": trace_id, "invoke": invoke}},
-    )
-
-
-def capture_ids_of(fast: list[dict[str, Any] | None]) -> list[str]:
-    """The capture ids in requests' fast-path data."""
-    return [f["capture"]["id"] for f in fast if f and f.get("capture")]
+    return request_params(graph.invokes[invoke].sampling, RequestSpecs(trace=(trace_id, invoke)))
 
 
 def unapplied_error(per_worker: list[list[str]]) -> InterventionError | None:

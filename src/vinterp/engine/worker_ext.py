@@ -10,17 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from vinterp.engine.plugin import CAPTURE_IN_GRAPH_KEY, CHECK_APPLIED_KEY
+from vinterp.engine.config_keys import (
+    CAPTURE_IN_GRAPH_KEY,
+    CHECK_APPLIED_KEY,
+    SITE_PATHS_KEY,
+)
 from vinterp.engine.runner_hooks import instrument, runner_kind
-from vinterp.fastpath.applied import AppliedCheck, AppliedCounters
-from vinterp.fastpath.capture_buffers import buffer_site_ids
-from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.runtime.vllm_runtime import WorkerRuntime
+from vinterp.engine.site_modules import held_site_ids, install_vllm_sites
+from vinterp.engine.site_ops import SiteCalls
+from vinterp.interventions.applied import AppliedCheck, AppliedCounters
+from vinterp.interventions.capture_buffers import buffer_site_ids
+from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules
 from vinterp.sites.names import SiteOrder
-from vinterp.sites.vllm_sites import held_site_ids, install_vllm_sites
 
 RUNTIME_ATTR = "_vinterp_runtime"
+SITE_CALLS_ATTR = "_vinterp_site_calls"
+
+
+def site_calls(runner: Any) -> SiteCalls:
+    """The handlers the sites of `runner`'s model call in uncompiled steps."""
+    return getattr(runner, SITE_CALLS_ATTR)
 
 
 def steer_buffers_for(
@@ -51,7 +62,7 @@ def install_on_runner(runner: Any) -> None:
     model = runner.get_model()
     settings = runner.vllm_config.additional_config or {}
     modules = find_site_modules(
-        model, config.model_type, settings.get("vinterp_site_paths"), backend="vllm"
+        model, config.model_type, settings.get(SITE_PATHS_KEY), backend="vllm"
     )
     order = SiteOrder(int(config.num_hidden_layers))
     counters = None
@@ -61,7 +72,8 @@ def install_on_runner(runner: Any) -> None:
     # in-graph capture: one row per sequence covers last_prompt and decoding for a full batch
     capture_rows = runner.vllm_config.scheduler_config.max_num_seqs
     capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
-    capture = install_vllm_sites(modules, order, steer, capture_rows, capture_sites)
+    calls = SiteCalls()
+    capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     runtime = WorkerRuntime(
@@ -75,8 +87,9 @@ def install_on_runner(runner: Any) -> None:
         if counters is None
         else AppliedCheck(counters, held_site_ids(modules, order), order),
     )
-    instrument(runner, runtime)
+    instrument(runner, runtime, calls)
     setattr(runner, RUNTIME_ATTR, runtime)
+    setattr(runner, SITE_CALLS_ATTR, calls)
 
 
 class VinterpWorkerExtension:
@@ -96,13 +109,13 @@ class VinterpWorkerExtension:
         self._vinterp.forget(trace_id)
 
     def vinterp_set_steering(self, wires: list[dict[str, Any]]) -> None:
-        self._vinterp.fast.set_global(wires)
+        self._vinterp.interventions.set_global(wires)
 
     def vinterp_register_steering(self, name: str, wire: dict[str, Any] | None) -> None:
-        self._vinterp.fast.register(name, wire)
+        self._vinterp.interventions.register(name, wire)
 
     def vinterp_take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
-        return self._vinterp.fast.take_captures(capture_ids)
+        return self._vinterp.interventions.take_captures(capture_ids)
 
     def vinterp_unapplied(self) -> list[str]:
         """What the applied check found not applied since the last call (check on)."""

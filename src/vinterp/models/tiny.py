@@ -56,7 +56,7 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
         "Gemma2ForCausalLM",
         sliding_window=256,
         query_pre_attn_scalar=64,
-        attn_logit_softcapping=None,  # vLLM's CPU kernel caps differently (README)
+        attn_logit_softcapping=None,  # vLLM's CPU kernel caps differently (API.md section 2)
         tie_word_embeddings=True,
     ),
     "gemma3_text": _arch(

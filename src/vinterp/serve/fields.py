@@ -15,17 +15,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vinterp.api.errors import InterventionError
-from vinterp.api.fast import Prepared, captured_tensors, check_steering
-from vinterp.api.specs import Capture, Steering
-from vinterp.engine.plugin import CHECK_APPLIED_KEY
+from vinterp.api.requests import Prepared, captured_tensors, check_steering
+from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import unapplied_error
-from vinterp.fastpath.capture_store import merge_captures
-from vinterp.fastpath.specs import FAST_KEY
-from vinterp.runtime.vllm_runtime import EXTRA_ARGS_KEY
+from vinterp.errors import InterventionError
+from vinterp.interventions.capture_store import merge_captures
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
+from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering
 
 FIELD = "vinterp"
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -70,9 +68,9 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
     return prepared
 
 
-# What vinterp puts into a request's extra_args: a client's own vllm_xargs may not carry them
-# (they would reach the workers unchecked, or join another client's trace).
-RESERVED_XARGS = {FAST_KEY, EXTRA_ARGS_KEY}
+# What vinterp puts into a request's extra_args: a client's own vllm_xargs may not carry it
+# (it would reach the workers unchecked, or join another client's trace).
+RESERVED_XARGS = {EXTRA_ARGS_KEY}
 
 
 def _bad_request(message: str) -> JSONResponse:
@@ -112,14 +110,14 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     except (FieldError, WireError, ValueError) as exc:
         message = str(exc)
         return _bad_request(message if message.startswith(FIELD) else f"{FIELD}: {message}")
-    extra = prepared.extra_args()
-    if extra is not None:
-        body.setdefault("vllm_xargs", {})[FAST_KEY] = payload_to_text(extra)
+    specs = prepared.specs()
+    if specs is not None:
+        body.setdefault("vllm_xargs", {})[EXTRA_ARGS_KEY] = payload_to_text(specs.to_wire())
         body.setdefault("cache_salt", uuid.uuid4().hex)  # computed in full (DESIGN.md lesson 1)
     request._body = json.dumps(body).encode()  # what vLLM's route reads
     response = await call_next(request)
     # a streamed answer has gone out before the check could change its status
-    checked = extra is not None and not body.get("stream") and _checks_applied(engine)
+    checked = specs is not None and not body.get("stream") and _checks_applied(engine)
     if response.status_code != 200 or (prepared.capture is None and not checked):
         return response
     data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))

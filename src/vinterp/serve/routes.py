@@ -1,5 +1,5 @@
 """vinterp's routes on vLLM's server (API.md section 6): `GET /v1/vinterp/sites`,
-`POST /v1/vinterp/trace`, `GET|PUT|DELETE /v1/vinterp/steering`.
+`POST /v1/vinterp/trace`, `GET|PUT|DELETE /v1/vinterp/steering`, `GET /v1/vinterp/stats`.
 
 Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
 `vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
@@ -18,10 +18,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse
 
-from vinterp.api.errors import InterventionError
-from vinterp.api.fast import check_steering
-from vinterp.api.specs import Steering
+from vinterp.api.requests import check_steering
 from vinterp.engine.outputs import output_to_json
+from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
@@ -29,6 +28,7 @@ from vinterp.sites.names import SiteOrder
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
 from vinterp.wire.json_form import payload_from_json, saved_to_json
+from vinterp.wire.specs import Steering
 
 PLUGIN_NAME = "vinterp_routes"
 # What one trace may ask of a shared server (the wire decoder's own cap is far higher).
@@ -92,6 +92,12 @@ async def sites(request: Request) -> JSONResponse:
             "config": json.loads(config.to_json_string()),
         }
     )
+
+
+@router.get("/v1/vinterp/stats")
+async def stats(request: Request) -> JSONResponse:
+    """The engine's step counts (`LLM.step_stats`)."""
+    return JSONResponse((await _engine(request).collective_rpc("vinterp_step_stats"))[0])
 
 
 def decode_trace(body: Any, config: Any, stages: int) -> tuple[dict[str, Any], Graph, Any]:

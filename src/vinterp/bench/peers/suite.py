@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from vinterp.bench.fastpath import PROMPT_TEMPLATE
+from vinterp.bench.workloads import PROMPT_TEMPLATE
 
 from . import runner
 from .check import verdict

@@ -1,5 +1,6 @@
-"""Client side of steering and capture: resolve and check specs against the model before
-anything is queued, encode them for the workers, turn captured rows into results."""
+"""Front-end side of generation with steering and capture: resolve and check specs against
+the model before anything is queued, hand them to the backend, turn captured rows into
+results (one `generate` for every synchronous front end, one `agenerate` for the async)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,37 @@ import uuid
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from safetensors.torch import save_file
 
-from vinterp.api.errors import InterventionError
-from vinterp.api.specs import Capture, Request, Steering
-from vinterp.fastpath.specs import CaptureSpec
-from vinterp.sites.names import SiteOrder, UnknownSiteError, parse_site
-
-if TYPE_CHECKING:
-    from vinterp.api.llm import LLM
-    from vinterp.engine.outputs import Output
+from vinterp.api.front_end import TraceFrontEnd
+from vinterp.engine.outputs import Output
+from vinterp.engine.sampling import sampling_kwargs
+from vinterp.errors import InterventionError
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.specs import Capture, RequestSpecs, Steering, selected_count, steering_misfit
 
 log = logging.getLogger("vinterp.capture")
+
+
+class Request(BaseModel):
+    """One prompt with its own steering, capture and sampling settings."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
+
+    prompt: str | list[int]
+    steering: Steering | str | list[Steering | str] | None = None
+    capture: Capture | None = None
+
+    def __init__(self, prompt: str | list[int], **kwargs: Any) -> None:
+        super().__init__(prompt=prompt, **kwargs)
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 @dataclass
@@ -38,40 +55,22 @@ class Prepared:
     capture_sites: list[str] = field(default_factory=list)
     capture_id: str = ""
 
-    def extra_args(self) -> dict[str, Any] | None:
-        """The request's fast-path data for vLLM workers (None when it has none)."""
+    def specs(self) -> RequestSpecs | None:
+        """What the backend sends to the workers (None: nothing beyond global steering)."""
         if not (self.steering or self.steering_names or self.capture):
             return None
-        extra: dict[str, Any] = {
-            "steering": [s.to_wire() for s in self.steering],
-            "steering_names": self.steering_names,
-        }
-        if self.capture is not None:
-            positions = self.capture.positions
-            extra["capture"] = {
-                "id": self.capture_id,
-                "sites": self.capture_sites,
-                "positions": positions,
-            }
-        return extra
+        return RequestSpecs(
+            list(self.steering), list(self.steering_names), self.capture, self.capture_id
+        )
 
 
 def check_steering(steering: Steering, config: Any, field_name: str = "steering") -> None:
     """Layer range and vector size against the model's HF config; ValueError naming the field."""
-    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    for site, vector in steering.vectors.items():
-        layer = parse_site(site).layer  # a Steering holds only layer sites
-        assert layer is not None
-        if layer >= layers:
-            raise ValueError(
-                f"{field_name}.vectors[{site!r}]: layer {layer} is out of range; "
-                f"this model has layers 0..{layers - 1}"
-            )
-        if vector.numel() != hidden:
-            raise ValueError(
-                f"{field_name}.vectors[{site!r}]: the vector has {vector.numel()} "
-                f"values; this model's hidden size is {hidden}"
-            )
+    misfit = steering_misfit(
+        steering, int(config.num_hidden_layers), int(config.hidden_size), field_name
+    )
+    if misfit is not None:
+        raise ValueError(misfit)
 
 
 def _steering_list(value: Any) -> list[Steering | str]:
@@ -81,7 +80,7 @@ def _steering_list(value: Any) -> list[Steering | str]:
 
 
 def prepare(
-    llm: LLM,
+    llm: TraceFrontEnd,
     prompts: Any,
     steering: Any,
     capture: Capture | None,
@@ -90,8 +89,6 @@ def prepare(
 ) -> list[Prepared]:
     """Normalize prompts (strings, token ids, Request items) and check every spec. `names`:
     the registered steering names, when the caller has them (else asked when needed)."""
-    from vinterp.engine.sampling import sampling_kwargs
-
     items = prompts if isinstance(prompts, list) and not _is_token_ids(prompts) else [prompts]
     order = SiteOrder(len(llm.layers))
     prepared = []
@@ -102,11 +99,11 @@ def prepare(
                 f"got {type(item).__name__}"
             )
         request = item if isinstance(item, Request) else Request(item)
-        (ids,) = llm._tokenize(request.prompt)
+        (ids,) = llm.tokenize(request.prompt)
         req = Prepared(ids, sampling_kwargs({**sampling, **request.sampling}))
         for spec in _steering_list(steering) + _steering_list(request.steering):
             if isinstance(spec, str):
-                names = llm.steering.names() if names is None else names
+                names = llm.backend.steering_names() if names is None else names
                 if spec not in names:
                     raise ValueError(
                         f"steering: no steering named {spec!r} is registered "
@@ -147,9 +144,7 @@ def captured_tensors(
     rows than `capture` selects is an InterventionError: a capture that was not applied is an
     error, never an empty or short result (DESIGN.md lesson 11)."""
     read_upto = prompt_len + max(generated - 1, 0)
-    selector = capture.positions
-    selector = selector if isinstance(selector, str) else frozenset(selector)
-    wanted = CaptureSpec("", (), selector).count(0, read_upto, prompt_len)
+    wanted = selected_count(capture.positions, 0, read_upto, prompt_len)
     tensors, positions = {}, {}
     for site in sites:
         data = rows.get(site, _NOTHING_CAPTURED)
@@ -203,3 +198,49 @@ def deliver(req: Prepared, out: Output, rows: dict[str, Any], index: int, model:
     else:
         shapes = {s: tuple(t.shape) for s, t in tensors.items()}
         log.info("capture %s request %d: %s", req.capture_id[:8], index, shapes)
+
+
+def generate(
+    model: TraceFrontEnd,
+    prompts: Any,
+    steering: Any,
+    capture: Capture | None,
+    sampling: dict[str, Any],
+    use_tqdm: bool,
+) -> list[Output]:
+    """Check, run on the model's backend, and deliver every capture to its sink."""
+    requests = prepare(model, prompts, steering, capture, sampling)
+    outputs = model.backend.generate(
+        [r.prompt for r in requests],
+        [r.sampling for r in requests],
+        [r.specs() for r in requests],
+        use_tqdm=use_tqdm,
+    )
+    ids = capture_ids(requests)
+    if ids:
+        deliver_all(requests, outputs, model.backend.take_captures(ids), model.model_name)
+    return outputs
+
+
+async def agenerate(
+    model: TraceFrontEnd,
+    prompts: Any,
+    steering: Any,
+    capture: Capture | None,
+    sampling: dict[str, Any],
+    use_tqdm: bool,
+) -> list[Output]:
+    """As `generate`, on an async backend."""
+    names = await model.backend.steering_names()
+    requests = prepare(model, prompts, steering, capture, sampling, names)
+    outputs = await model.backend.generate(
+        [r.prompt for r in requests],
+        [r.sampling for r in requests],
+        [r.specs() for r in requests],
+        use_tqdm=use_tqdm,
+    )
+    ids = capture_ids(requests)
+    if ids:
+        rows = await model.backend.take_captures(ids)
+        deliver_all(requests, outputs, rows, model.model_name)
+    return outputs

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vinterp.fastpath.applied import AppliedCounters
+from vinterp.interventions.applied import AppliedCounters
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SteerBuffers(nn.Module):
         counters: AppliedCounters | None = None,
     ) -> None:
         super().__init__()
-        self.counters = counters  # with the check on (`fastpath.applied`)
+        self.counters = counters  # with the check on (`interventions.applied`)
 
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)

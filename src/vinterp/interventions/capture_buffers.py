@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from vinterp.fastpath.applied import AppliedCounters
-from vinterp.fastpath.tables import SiteCapture
-from vinterp.fastpath.uploads import upload
+from vinterp.interventions.applied import AppliedCounters
+from vinterp.interventions.tables import SiteCapture
+from vinterp.interventions.uploads import upload
 from vinterp.sites.names import SiteOrder
 
 BufferSetting = bool | list[str]  # every site / none, or site names and patterns
@@ -70,7 +70,7 @@ class CaptureBuffers(nn.Module):
     ) -> None:
         super().__init__()
         self.max_rows = max_rows
-        self.counters = counters  # with the check on (`fastpath.applied`)
+        self.counters = counters  # with the check on (`interventions.applied`)
         index = torch.zeros(num_sites, max_rows, dtype=torch.int32, device=device)
         self.register_buffer("index", index, persistent=False)
         self.chosen = chosen  # the sites with buffers, on any worker: a capture elsewhere leaves

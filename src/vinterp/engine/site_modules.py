@@ -16,11 +16,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from vinterp.fastpath.capture_buffers import CaptureBuffers
-from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.runtime.site_ops import plain_site, stream_site
+from vinterp.engine.site_ops import SiteCalls, plain_site, stream_site
+from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import SiteOrder
 
@@ -41,26 +42,28 @@ class SiteIO:
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
     steer, capture = getattr(module, BUFFERS_NAME), getattr(module, CAPTURE_NAME)
+    # the compiled model never reaches the handlers: it does not even look them up
+    calls = None if torch.compiler.is_compiling() else module._vinterp_calls
     if io.stream:
         positions, hidden, residual = args
         if residual is None:
-            hidden = plain_site(steer, capture, io.input_id, hidden)
+            hidden = plain_site(steer, capture, calls, io.input_id, hidden)
         else:
-            hidden, residual = stream_site(steer, capture, io.input_id, hidden, residual)
+            hidden, residual = stream_site(steer, capture, calls, io.input_id, hidden, residual)
         hidden, residual = inner(module, positions, hidden, residual, **kwargs)
-        return stream_site(steer, capture, io.output_id, hidden, residual)
+        return stream_site(steer, capture, calls, io.output_id, hidden, residual)
     if io.input_id is not None:
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
-            kwargs = {**kwargs, key: plain_site(steer, capture, io.input_id, kwargs[key])}
+            kwargs = {**kwargs, key: plain_site(steer, capture, calls, io.input_id, kwargs[key])}
         else:
-            args = (plain_site(steer, capture, io.input_id, args[0]), *args[1:])
+            args = (plain_site(steer, capture, calls, io.input_id, args[0]), *args[1:])
     out = inner(module, *args, **kwargs)
     if io.output_id is None:
         return out
     if isinstance(out, tuple):
-        return (plain_site(steer, capture, io.output_id, out[0]), *out[1:])
-    return plain_site(steer, capture, io.output_id, out)
+        return (plain_site(steer, capture, calls, io.output_id, out[0]), *out[1:])
+    return plain_site(steer, capture, calls, io.output_id, out)
 
 
 _SUBCLASSES: dict[tuple[type, str], type] = {}
@@ -83,12 +86,14 @@ def _add_sites(
     module: nn.Module,
     steer: SteerBuffers,
     capture: CaptureBuffers | None,
+    calls: SiteCalls,
     method: str,
     io: dict[str, Any],
 ) -> None:
     if getattr(module, "_vinterp_io", None) is None:
         module.__class__ = _site_class(type(module), method)
         module._vinterp_io = SiteIO()
+        module._vinterp_calls = calls
         module.add_module(BUFFERS_NAME, steer)
         module.add_module(CAPTURE_NAME, capture)
     for key, value in io.items():
@@ -144,12 +149,13 @@ def install_vllm_sites(
     modules: SiteModules,
     order: SiteOrder,
     steer: SteerBuffers,
+    calls: SiteCalls,
     capture_rows: int = 0,
     capture_sites: frozenset[int] = frozenset(),
 ) -> CaptureBuffers | None:
-    """Give every site module of a vLLM model its sites, all reading `steer`; with
-    `capture_sites`, also capture buffers of `capture_rows` rows for those of them this
-    model holds (returned)."""
+    """Give every site module of a vLLM model its sites, all reading `steer` and calling
+    the runner's `calls`; with `capture_sites`, also capture buffers of `capture_rows` rows
+    for those of them this model holds (returned)."""
     placed = _placements(modules, order)
     capture = None
     if capture_sites:
@@ -165,5 +171,5 @@ def install_vllm_sites(
             steer.counters,
         )
     for module, method, io in placed:
-        _add_sites(module, steer, capture, method, io)
+        _add_sites(module, steer, capture, calls, method, io)
     return capture

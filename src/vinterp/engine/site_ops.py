@@ -1,23 +1,26 @@
 """What runs at every standardized site inside vLLM's model.
 
 Up to three parts, so that graph replay never skips an intervention:
-- steering, as plain tensor ops on persistent buffers (`fastpath.steer_buffers`): compiled
+- steering, as plain tensor ops on persistent buffers (`interventions.steer_buffers`): compiled
   into the model and replayed in CUDA graphs, so it holds in every step;
-- with `capture_in_graph`, capture the same way (`fastpath.capture_buffers`), after steering;
+- with `capture_in_graph`, capture the same way (`interventions.capture_buffers`), after steering;
 - Python handlers (traces, captures, raw hooks), called only in the steps that vinterp runs
   uncompiled (the runner hooks decide per step, before vLLM picks the graph mode). Under
   torch.compile the handler branch is not traced at all: the compiled model holds nothing
   but the steering ops, and no Python runs at a site in a compiled or replayed step.
+Each model runner has its own `SiteCalls` (its runtime's handlers and whether the current
+step calls them), reached through the site modules of its model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from vinterp.fastpath.capture_buffers import CaptureBuffers
-from vinterp.fastpath.steer_buffers import SteerBuffers
+from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.steer_buffers import SteerBuffers
 
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
 StreamHandler = Callable[
@@ -25,31 +28,34 @@ StreamHandler = Callable[
 ]
 
 
-class PythonSites:
-    """This process's handlers and whether the current step calls them."""
+@dataclass
+class SiteCalls:
+    """One runner's site handlers and whether the current step calls them (bound and set by
+    the runner hooks, before each step from the runtime's `StepMode`)."""
 
-    active: bool = False
     site: SiteHandler | None = None
     stream: StreamHandler | None = None
+    active: bool = False
 
 
-PYTHON = PythonSites()
-
-
-def _python_step() -> bool:
-    return not torch.compiler.is_compiling() and PYTHON.active
+def _calling(calls: SiteCalls | None) -> bool:
+    return not torch.compiler.is_compiling() and calls is not None and calls.active
 
 
 def plain_site(
-    steer: SteerBuffers, capture: CaptureBuffers | None, site_id: int, x: torch.Tensor
+    steer: SteerBuffers,
+    capture: CaptureBuffers | None,
+    calls: SiteCalls | None,
+    site_id: int,
+    x: torch.Tensor,
 ) -> torch.Tensor:
     """A (tokens, H) site: steering, capture into buffers, then (in uncompiled steps) the
     Python handler."""
     x = steer(site_id, x)
     if capture is not None:
         capture(site_id, x)
-    if _python_step() and PYTHON.site is not None:
-        out = PYTHON.site(site_id, x)
+    if _calling(calls):
+        out = calls.site(site_id, x)  # type: ignore[union-attr]
         if out is not None:
             x = out
     return x
@@ -58,6 +64,7 @@ def plain_site(
 def stream_site(
     steer: SteerBuffers,
     capture: CaptureBuffers | None,
+    calls: SiteCalls | None,
     site_id: int,
     hidden: torch.Tensor,
     residual: torch.Tensor,
@@ -67,8 +74,8 @@ def stream_site(
     residual = steer(site_id, residual, norm_of=hidden + residual)
     if capture is not None:
         capture(site_id, hidden, plus=residual)
-    if _python_step() and PYTHON.stream is not None:
-        out = PYTHON.stream(site_id, hidden, residual)
+    if _calling(calls):
+        out = calls.stream(site_id, hidden, residual)  # type: ignore[union-attr]
         if out is not None:
             hidden, residual = out
     return hidden, residual

@@ -2,15 +2,17 @@
 request, how each step runs, and the handlers the sites call.
 
 Per step, in the order the runner hooks (`engine.runner_hooks`) call them:
-- `on_schedule(scheduler_output)`: before vLLM picks the step's graph mode. Steering is
-  planned; the step is marked to run uncompiled (Python at the sites) when a traced or
-  capturing request has work in it, and only then — except captures that fit the capture
-  buffers of a `capture_in_graph` engine (rows and sites), which keep the graphs.
+- `on_schedule(scheduler_output)`: before vLLM picks the step's graph mode. It follows the
+  scheduled requests, plans steering and chooses the step's `StepMode`: uncompiled (Python
+  at the sites) when a traced or capturing request has work in it, and only then — except
+  captures that fit the capture buffers of a `capture_in_graph` engine (rows and sites),
+  which keep the graphs.
 - `begin_step(layout)`: once the runner has laid the batch out. The steering buffers are
   written and the capture tables built (and written to the capture buffers); in an
   uncompiled step the traced invokes get their row slices (`Slot`s).
 - `end_step()`: once the forward is queued. Rows gathered into the capture buffers are
   copied into the capture store.
+One WorkerRuntime serves one model runner and owns all of its per-step state.
 """
 
 from __future__ import annotations
@@ -20,17 +22,16 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.applied import AppliedCheck
-from vinterp.fastpath.capture_buffers import CaptureBuffers
-from vinterp.fastpath.specs import FAST_KEY, CaptureSpec, RequestFast
-from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
-from vinterp.fastpath.tables import RowSpan
-from vinterp.fastpath.worker import FastPath
+from vinterp.interventions.applied import AppliedCheck
+from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.specs import WorkerCapture, WorkerRequest
+from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
+from vinterp.interventions.tables import RowSpan
+from vinterp.interventions.worker_state import WorkerInterventions
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.executor import Failure, TraceRun
 from vinterp.runtime.pipeline import StageValues, last_stage_start
-from vinterp.runtime.site_ops import PYTHON
 from vinterp.runtime.tensor_parallel import VLLMParams, full_logits, full_raw
 from vinterp.sites.modules import SiteModules, unhooked
 from vinterp.sites.names import SiteOrder, UnknownSiteError
@@ -38,9 +39,8 @@ from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
 from vinterp.wire.json_form import payload_from_text
+from vinterp.wire.specs import EXTRA_ARGS_KEY
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
-
-EXTRA_ARGS_KEY = "vinterp"
 
 
 @dataclass
@@ -49,15 +49,42 @@ class Scheduled:
 
     prompt_len: int
     num_computed: int  # tokens computed before this step
-    fast: RequestFast | None
-    trace: tuple[str, int] | None  # (trace id, invoke)
-    steering: RequestSteering | None = None  # as of `steering_version` of the fast path
+    specs: WorkerRequest | None
+    steering: RequestSteering | None = None  # as of `steering_version` of the interventions
     steering_version: int = -1
     captures_in_buffers: bool = False  # every site it captures has a capture buffer
+
+    @property
+    def trace(self) -> tuple[str, int] | None:
+        """(trace id, invoke) of a traced request."""
+        return None if self.specs is None else self.specs.trace
+
+    @property
+    def capture(self) -> WorkerCapture | None:
+        return None if self.specs is None else self.specs.capture
 
     def step(self, num_tokens: int) -> int:
         """The generation step this forward runs (0: the prompt; k: samples token k+1)."""
         return max(0, self.num_computed + num_tokens - self.prompt_len)
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """How a step runs: uncompiled with Python at the sites (traces, captures outside the
+    buffers, steering tables too large for the buffers), or compiled, capturing into the
+    capture buffers or not."""
+
+    uncompiled: bool = False
+    graph_capture: bool = False
+
+
+@dataclass
+class Watched:
+    """What this step's capturing and traced requests need of it."""
+
+    traced: bool = False  # a traced invoke has work in this step
+    captured_rows: int = 0
+    outside_buffers: bool = False  # a captured row at a site without a capture buffer
 
 
 @dataclass
@@ -85,7 +112,7 @@ class WorkerRuntime:
         check: AppliedCheck | None = None,
     ) -> None:
         self.runner = runner
-        self.check = check  # counts what the sites applied, per step (`fastpath.applied`)
+        self.check = check  # counts what the sites applied, per step (`interventions.applied`)
         self.order = order
         self.device = steer.add.device
         head = modules.lm_head
@@ -110,16 +137,15 @@ class WorkerRuntime:
         self.capture_buffers = capture
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
-        self.fast = FastPath(ships_results, order, steer.add.shape[1])
-        self.steering = SteeringState(steer, order)
-        self.python_candidates: set[str] = set()  # live requests that capture or trace
-        # the last steering plan: for which fast-path version, and whether every steered
+        self.interventions = WorkerInterventions(ships_results, order, steer.add.shape[1])
+        self.steering = SteeringPlanner(steer, order)
+        self.watched: set[str] = set()  # live requests that capture or trace
+        # the last steering plan: for which interventions version, and whether every steered
         # request was decoding (then the same batch next step keeps the plan)
         self.planned_version = -1
         self.steering_decodes_only = False
         self.steering_overflows = False
-        PYTHON.site = self.on_site
-        PYTHON.stream = self.on_stream
+        self.mode = StepMode()
 
     # -- trace lifecycle (called through collective_rpc) -----------------------------------
     def begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
@@ -171,104 +197,129 @@ class WorkerRuntime:
     @property
     def python_step(self) -> bool:
         """Whether this step runs uncompiled, with Python at the sites."""
-        return PYTHON.active
+        return self.mode.uncompiled
 
     @property
     def graph_capture_step(self) -> bool:
         """Whether this step captures through the capture buffers (in the compiled model)."""
-        return self.capture_buffers is not None and self.capture_buffers.active
+        return self.mode.graph_capture
 
     # -- per step -----------------------------------------------------------------------------
-    def on_schedule(self, scheduler_output: Any) -> bool:
-        """Track the scheduled requests, plan steering; whether this step runs uncompiled.
+    def on_schedule(self, scheduler_output: Any) -> StepMode:
+        """Follow the scheduled requests, plan steering, choose how the step runs.
 
         Most steps repeat the last one: the same requests, each decoding one token. Then the
         steering plan stands and only requests that capture or trace are looked at, so the
         per-step work does not grow with the batch."""
         if self.check is not None:
             self.check.begun = False  # a step that raised before its end compares nothing
+        self._track(scheduler_output)
+        scheduled = dict(scheduler_output.num_scheduled_tokens)
+        watched = self._watch(scheduled)
+        if not self._repeats_decode_batch(scheduled):
+            self._plan_steering(scheduled)
+        self.scheduled = scheduled
+        self.mode = self._route(watched)
+        if self.capture_buffers is not None:
+            self.capture_buffers.active = self.mode.graph_capture
+        self._count(self.mode)
+        return self.mode
+
+    def _track(self, scheduler_output: Any) -> None:
+        """Requests that finished, started, or computed more tokens since the last step."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-            self.python_candidates.discard(req_id)
+            self.watched.discard(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             req = self.requests[new.req_id] = self._describe(new)
-            if req.trace is not None or (req.fast is not None and req.fast.capture is not None):
-                self.python_candidates.add(new.req_id)
+            if req.trace is not None or req.capture is not None:
+                self.watched.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if req_id in self.requests:
                 self.requests[req_id].num_computed = computed
-        scheduled = scheduler_output.num_scheduled_tokens
-        python, captured_rows, outside_buffers = False, 0, False
-        ended: list[str] = []
-        for req_id in self.python_candidates:
-            if req_id in scheduled:
-                req = self.requests[req_id]
-                end = req.num_computed + scheduled[req_id]
-                python = python or self._traces_now(req, scheduled[req_id])
-                capture = req.fast.capture if req.fast else None
-                if capture is None:
-                    continue  # traced only
-                rows = capture.count(req.num_computed, end, req.prompt_len)
-                captured_rows += rows
-                outside_buffers = outside_buffers or (rows > 0 and not req.captures_in_buffers)
-                if req.trace is None and capture.ended(end, req.prompt_len):
-                    ended.append(req_id)  # e.g. last_prompt once the prompt is computed
-        self.stats["watched"] += len(self.python_candidates)
-        self.python_candidates.difference_update(ended)
-        same_decode_batch = (
+
+    def _watch(self, scheduled: dict[str, int]) -> Watched:
+        """What the capturing and traced requests need of this step; those whose capture
+        has ended (e.g. last_prompt once the prompt is computed) are no longer watched."""
+        watched, ended = Watched(), []
+        for req_id in self.watched:
+            if req_id not in scheduled:
+                continue
+            req = self.requests[req_id]
+            end = req.num_computed + scheduled[req_id]
+            watched.traced = watched.traced or self._traces_now(req, scheduled[req_id])
+            capture = req.capture
+            if capture is None:
+                continue  # traced only
+            rows = capture.count(req.num_computed, end, req.prompt_len)
+            watched.captured_rows += rows
+            watched.outside_buffers |= rows > 0 and not req.captures_in_buffers
+            if req.trace is None and capture.ended(end, req.prompt_len):
+                ended.append(req_id)
+        self.stats["watched"] += len(self.watched)
+        self.watched.difference_update(ended)
+        return watched
+
+    def _repeats_decode_batch(self, scheduled: dict[str, int]) -> bool:
+        """Whether the last steering plan stands: the same batch, every steered request
+        decoding, no steering changed since."""
+        return (
             self.steering_decodes_only
-            and self.planned_version == self.fast.version
+            and self.planned_version == self.interventions.version
             and scheduled == self.scheduled
         )
-        self.scheduled = dict(scheduled)
-        if not same_decode_batch:
-            steered = []
-            for req_id, num_tokens in self.scheduled.items():
-                req = self.requests.get(req_id)
-                steering = None if req is None else self._steering(req)
-                if steering is not None:
-                    steered.append(SteeredRequest(req_id, req.num_computed, num_tokens, steering))
-            self.steering_overflows = self.steering.plan(steered)
-            self.planned_version = self.fast.version
-            self.steering_decodes_only = all(
-                r.num_tokens == 1 and r.first >= r.steering.prompt_len for r in steered
-            )
-        buffers = self.capture_buffers
-        in_graph = (
-            buffers is not None and not outside_buffers and 0 < captured_rows <= buffers.max_rows
+
+    def _plan_steering(self, scheduled: dict[str, int]) -> None:
+        steered = []
+        for req_id, num_tokens in scheduled.items():
+            req = self.requests.get(req_id)
+            steering = None if req is None else self._steering(req)
+            if steering is not None:
+                steered.append(SteeredRequest(req_id, req.num_computed, num_tokens, steering))
+        self.steering_overflows = self.steering.plan(steered)
+        self.planned_version = self.interventions.version
+        self.steering_decodes_only = all(
+            r.num_tokens == 1 and r.first >= r.steering.prompt_len for r in steered
         )
-        python = python or self.steering_overflows or (captured_rows > 0 and not in_graph)
-        if buffers is not None:
-            buffers.active = in_graph and not python
-        PYTHON.active = python
+
+    def _route(self, watched: Watched) -> StepMode:
+        """Uncompiled when a trace has work, steering overflows the buffers, or rows are
+        captured that the capture buffers cannot take; else compiled, capturing into the
+        buffers when there is something to capture."""
+        buffers, rows = self.capture_buffers, watched.captured_rows
+        in_graph = (
+            buffers is not None and not watched.outside_buffers and 0 < rows <= buffers.max_rows
+        )
+        uncompiled = watched.traced or self.steering_overflows or (rows > 0 and not in_graph)
+        return StepMode(uncompiled=uncompiled, graph_capture=in_graph and not uncompiled)
+
+    def _count(self, mode: StepMode) -> None:
         self.stats["steps"] += 1
-        self.stats["uncompiled_steps"] += python
-        self.stats["graph_capture_steps"] += self.graph_capture_step
-        return python
+        self.stats["uncompiled_steps"] += mode.uncompiled
+        self.stats["graph_capture_steps"] += mode.graph_capture
 
     def _steering(self, req: Scheduled) -> RequestSteering | None:
         """The request's steering, worked out again only when global or named steering
         changed since."""
-        if req.steering_version != self.fast.version:
-            specs = self.fast.steering_for(req.fast)
+        if req.steering_version != self.interventions.version:
+            specs = self.interventions.steering_for(req.specs)
             req.steering = RequestSteering(tuple(specs), req.prompt_len) if specs else None
-            req.steering_version = self.fast.version
+            req.steering_version = self.interventions.version
         return req.steering
 
     def _describe(self, new: Any) -> Scheduled:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
-        payload = extra.get(FAST_KEY)
+        payload = extra.get(EXTRA_ARGS_KEY)
         if isinstance(payload, str):  # from `vinterp serve` (vLLM's server passes text only)
-            payload = extra[FAST_KEY] = payload_from_text(payload)
-        fast = self.fast.decode(payload) if payload else None
-        traced = extra.get(EXTRA_ARGS_KEY)
-        trace = (traced["trace"], int(traced["invoke"])) if traced else None
+            payload = extra[EXTRA_ARGS_KEY] = payload_from_text(payload)
+        specs = self.interventions.decode(payload) if payload else None
         prompt_len = len(new.prompt_token_ids or [])
-        scheduled = Scheduled(prompt_len, new.num_computed_tokens, fast, trace)
-        if fast is not None and fast.capture is not None and self.capture_buffers is not None:
+        scheduled = Scheduled(prompt_len, new.num_computed_tokens, specs)
+        capture = scheduled.capture
+        if capture is not None and self.capture_buffers is not None:
             chosen = self.capture_buffers.chosen
-            scheduled.captures_in_buffers = all(self.order[s] in chosen for s in fast.capture.sites)
+            scheduled.captures_in_buffers = all(self.order[s] in chosen for s in capture.sites)
         return scheduled
 
     def _traces_now(self, req: Scheduled, num_tokens: int) -> bool:
@@ -284,9 +335,9 @@ class WorkerRuntime:
             self.check.begin()
         self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
         capturing = self.python_step or self.graph_capture_step
-        self.fast.begin_capture_step(self._captures(layout) if capturing else [])
+        self.interventions.begin_capture_step(self._captures(layout) if capturing else [])
         if self.capture_buffers is not None:  # also empties the index after a capturing step
-            tables = self.fast.capture_tables if self.graph_capture_step else {}
+            tables = self.interventions.capture_tables if self.graph_capture_step else {}
             self.capture_buffers.write({self.order[s]: t for s, t in tables.items()})
         if not self.python_step:
             return
@@ -299,14 +350,14 @@ class WorkerRuntime:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
 
-    def _captures(self, layout: list[tuple[str, int, int]]) -> list[tuple[RowSpan, CaptureSpec]]:
+    def _captures(self, layout: list[tuple[str, int, int]]) -> list[tuple[RowSpan, WorkerCapture]]:
         """This step's capturing requests: their rows and capture specs."""
         captures = []
         for req_id, start, end in layout:
             req = self.requests.get(req_id)
-            if req is not None and req.fast is not None and req.fast.capture is not None:
+            if req is not None and req.capture is not None:
                 span = RowSpan(start, end, req.num_computed, req.prompt_len)
-                captures.append((span, req.fast.capture))
+                captures.append((span, req.capture))
         return captures
 
     def end_step(self) -> None:
@@ -315,10 +366,10 @@ class WorkerRuntime:
         buffers = self.capture_buffers
         gathers: list[int] = []
         if buffers is not None and buffers.active:
-            self.fast.keep_gathered(buffers)
+            self.interventions.keep_gathered(buffers)
             gathers = [
                 s
-                for s in map(self.order.__getitem__, self.fast.capture_tables)
+                for s in map(self.order.__getitem__, self.interventions.capture_tables)
                 if s in buffers.site_ids
             ]
         if self.check is not None:
@@ -352,7 +403,7 @@ class WorkerRuntime:
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
-        self.fast.record(site, x)
+        self.interventions.record(site, x)
         out = None
         for slot in self.wanted.get(site, ()):
             source = x if out is None else out
@@ -368,8 +419,8 @@ class WorkerRuntime:
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
-        if site in self.fast.capture_tables:
-            self.fast.record(site, hidden + residual)
+        if site in self.interventions.capture_tables:
+            self.interventions.record(site, hidden + residual)
         out = None
         for slot in self.wanted.get(site, ()):
             h, r = (hidden, residual) if out is None else out

@@ -1,4 +1,4 @@
-"""The fast path inside a worker: global and named steering specs, capture tables and store.
+"""Steering and capture inside a worker: global and named steerings, capture tables and store.
 
 Steering itself runs in the compiled model (`steer_buffers`, planned by `steer_tables`);
 captures are recorded after steering, so they hold the values the model computes: by the
@@ -12,19 +12,26 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.capture_buffers import CaptureBuffers
-from vinterp.fastpath.capture_store import CaptureStore
-from vinterp.fastpath.specs import CaptureSpec, RequestFast, SteerSpec, decode_request
-from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
+from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.capture_store import CaptureStore
+from vinterp.interventions.specs import (
+    WorkerCapture,
+    WorkerRequest,
+    WorkerSteering,
+    decode_request,
+    worker_steering,
+)
+from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
 from vinterp.sites.names import SiteOrder
+from vinterp.wire.specs import Steering
 
 
-class FastPath:
+class WorkerInterventions:
     def __init__(self, captures_here: bool, order: SiteOrder, hidden_size: int) -> None:
         self.order, self.hidden_size = order, hidden_size
         self.captures_here = captures_here  # TP: one rank records, the others skip the copies
-        self.global_steering: list[SteerSpec] = []
-        self.named: dict[str, SteerSpec] = {}
+        self.global_steering: list[WorkerSteering] = []
+        self.named: dict[str, WorkerSteering] = {}
         self.store = CaptureStore()
         self.capture_tables: dict[str, SiteCapture] = {}
         self.version = 0  # changes with global or named steering: requests' specs are cached
@@ -40,21 +47,21 @@ class FastPath:
             self.named[name] = self._steer_spec(wire)
         self.version += 1
 
-    def _steer_spec(self, wire: dict[str, Any]) -> SteerSpec:
-        return SteerSpec.from_wire(wire, self.order, self.hidden_size)
+    def _steer_spec(self, wire: dict[str, Any]) -> WorkerSteering:
+        return worker_steering(Steering.from_wire(wire), self.order, self.hidden_size)
 
-    def decode(self, extra: dict[str, Any]) -> RequestFast:
-        """A request's steering and capture (checked; decoded once per request)."""
+    def decode(self, extra: dict[str, Any]) -> WorkerRequest:
+        """A request's steering, capture and trace invoke (checked; decoded once)."""
         return decode_request(extra, self.order, self.hidden_size)
 
-    def steering_for(self, fast: RequestFast | None) -> list[SteerSpec]:
-        """Every spec that steers a request: global, then its named ones, then its own."""
-        if fast is None:
+    def steering_for(self, request: WorkerRequest | None) -> list[WorkerSteering]:
+        """Every steering of a request: global, then its named ones, then its own."""
+        if request is None:
             return list(self.global_steering)
-        named = [self.named[n] for n in fast.steering_names if n in self.named]
-        return [*self.global_steering, *named, *fast.steering]
+        named = [self.named[n] for n in request.steering_names if n in self.named]
+        return [*self.global_steering, *named, *request.steering]
 
-    def begin_capture_step(self, requests: list[tuple[RowSpan, CaptureSpec]]) -> None:
+    def begin_capture_step(self, requests: list[tuple[RowSpan, WorkerCapture]]) -> None:
         self.capture_tables = build_capture_tables(requests) if self.captures_here else {}
 
     def record(self, site: str, value: torch.Tensor) -> None:

@@ -9,14 +9,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vinterp.fastpath import capture_store
-from vinterp.fastpath.capture_buffers import CaptureBuffers, buffer_setting, buffer_site_ids
-from vinterp.fastpath.capture_store import CaptureStore, merge_captures
-from vinterp.fastpath.specs import CaptureSpec, SteerSpec
-from vinterp.fastpath.steer_buffers import SteerBuffers
-from vinterp.fastpath.steer_tables import RequestSteering, SteeredRequest, SteeringState
-from vinterp.fastpath.tables import RowSpan, SiteCapture, build_capture_tables
+from vinterp.interventions import capture_store
+from vinterp.interventions.capture_buffers import CaptureBuffers, buffer_setting, buffer_site_ids
+from vinterp.interventions.capture_store import CaptureStore, merge_captures
+from vinterp.interventions.specs import WorkerCapture, WorkerSteering, worker_steering
+from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
+from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
 from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.specs import Steering
 from vinterp.wire.tensors import tensor_from_wire
 
 SITE = "layers.1.output"
@@ -24,8 +25,15 @@ ORDER = SiteOrder(2)
 H = 4
 
 
-def steer(phase: str, scale: float = 2.0, **kwargs) -> SteerSpec:
-    return SteerSpec({SITE: torch.ones(H)}, scale, phase, kwargs.get("positions"), False)
+def steering(vectors, scale, phase, positions, norm_match) -> WorkerSteering:
+    """A worker's steering, built from the user's spec."""
+    positions = None if positions is None else sorted(positions)
+    spec = Steering(vectors, scale=scale, phase=phase, positions=positions, norm_match=norm_match)
+    return WorkerSteering(spec)
+
+
+def steer(phase: str, scale: float = 2.0, **kwargs) -> WorkerSteering:
+    return steering({SITE: torch.ones(H)}, scale, phase, kwargs.get("positions"), False)
 
 
 def request(req_id: str, positions: range, prompt_len: int, specs: list) -> SteeredRequest:
@@ -39,7 +47,7 @@ def buffers(max_rows: int = 8) -> SteerBuffers:
     return SteerBuffers(len(ORDER.sites), H, 16, 8, max_rows, torch.float32, "cpu")
 
 
-def steered(state: SteeringState, requests, layout, num_tokens, x, site=SITE) -> torch.Tensor:
+def steered(state: SteeringPlanner, requests, layout, num_tokens, x, site=SITE) -> torch.Tensor:
     """Plan and write one step, then apply the buffers to x at `site` (reference: by hand)."""
     assert not state.plan(requests)
     state.write(layout, num_tokens)
@@ -47,7 +55,7 @@ def steered(state: SteeringState, requests, layout, num_tokens, x, site=SITE) ->
 
 
 def test_steering_rows_follow_phase_positions_and_requests() -> None:
-    state = SteeringState(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER)
     # request a: prompt of 3 being prefilled (rows 0..2); request b: decoding position 5 (row 3)
     a = request("a", range(0, 3), 3, [steer("decode")])
     b = request("b", range(5, 6), 5, [steer("decode")])
@@ -67,8 +75,8 @@ def test_steering_rows_follow_phase_positions_and_requests() -> None:
 
 
 def test_norm_match_scales_with_each_rows_norm() -> None:
-    state = SteeringState(buffers(), ORDER)
-    spec = SteerSpec({SITE: torch.tensor([3.0, 4.0, 0.0, 0.0])}, 0.5, "all", None, True)
+    state = SteeringPlanner(buffers(), ORDER)
+    spec = steering({SITE: torch.tensor([3.0, 4.0, 0.0, 0.0])}, 0.5, "all", None, True)
     x = torch.tensor([[0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 10.0]])
     out = steered(state, [request("a", range(2), 2, [spec])], [("a", 0, 2)], 2, x)
     unit = torch.tensor([0.6, 0.8, 0.0, 0.0])
@@ -76,7 +84,7 @@ def test_norm_match_scales_with_each_rows_norm() -> None:
 
 
 def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> None:
-    state = SteeringState(buffers(max_rows=2), ORDER)
+    state = SteeringPlanner(buffers(max_rows=2), ORDER)
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
     state.write([(str(i), i, i + 1) for i in range(3)], 3)
@@ -95,7 +103,7 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
         return gm.forward
 
     steer_buffers = buffers()
-    state = SteeringState(steer_buffers, ORDER)
+    state = SteeringPlanner(steer_buffers, ORDER)
     fn = torch.compile(lambda x: steer_buffers(ORDER[SITE], x), backend=backend, fullgraph=True)
     x = torch.zeros(2, H)
     assert torch.equal(fn(x), x)
@@ -173,7 +181,7 @@ def test_capture_buffer_sites_follow_the_setting() -> None:
     st.frozensets(st.integers(0, 20)),
 )
 def test_capture_count_is_the_number_of_wanted_positions(kind, first, length, prompt_len, chosen):
-    spec = CaptureSpec("a", (SITE,), chosen if kind == "set" else kind)
+    spec = WorkerCapture("a", (SITE,), chosen if kind == "set" else kind)
     wanted = sum(spec.wants(p, prompt_len) for p in range(first, first + length))
     assert spec.count(first, first + length, prompt_len) == wanted
 
@@ -187,14 +195,14 @@ def test_capture_count_is_the_number_of_wanted_positions(kind, first, length, pr
 def test_capture_ends_after_its_last_wanted_position(kind, end, prompt_len, chosen):
     """A request stops being watched for captures exactly when no later position is wanted
     (positions past 64 stand for "unbounded": 'all' and 'all_generated' never end)."""
-    spec = CaptureSpec("a", (SITE,), chosen if kind == "set" else kind)
+    spec = WorkerCapture("a", (SITE,), chosen if kind == "set" else kind)
     later = [p for p in range(end, 64) if spec.wants(p, prompt_len)]
     assert spec.ended(end, prompt_len) == (not later)
 
 
 def test_capture_gathers_each_request_rows_once_per_site() -> None:
-    last = CaptureSpec("a", (SITE,), "last_prompt")
-    every = CaptureSpec("b", (SITE, "layers.0.output"), "all")
+    last = WorkerCapture("a", (SITE,), "last_prompt")
+    every = WorkerCapture("b", (SITE, "layers.0.output"), "all")
     spans = [RowSpan(0, 3, 0, 3), RowSpan(3, 5, 0, 2)]
     tables = build_capture_tables([(spans[0], last), (spans[1], every)])
     assert tables[SITE].rows.tolist() == [2, 3, 4]
@@ -202,17 +210,17 @@ def test_capture_gathers_each_request_rows_once_per_site() -> None:
     assert tables["layers.0.output"].rows.tolist() == [3, 4]
     both = (SITE, "layers.0.output")  # sites the same requests capture share one table
     spans = [RowSpan(0, 3, 0, 3), RowSpan(3, 5, 0, 2), RowSpan(5, 6, 4, 4)]
-    specs = [CaptureSpec(cid, both, "all") for cid in "xyz"]
+    specs = [WorkerCapture(cid, both, "all") for cid in "xyz"]
     shared = build_capture_tables(list(zip(spans, specs)))
     assert shared[SITE] is shared["layers.0.output"]
     assert shared[SITE].rows.tolist() == [0, 1, 2, 3, 4, 5]
     assert shared[SITE].rows_on(torch.device("cpu")) is shared[SITE].rows_on(torch.device("cpu"))
     assert last.count(0, 3, 3) == 1 and last.count(3, 4, 3) == 0
-    assert CaptureSpec("c", (SITE,), "all_generated").count(2, 5, 3) == 2
+    assert WorkerCapture("c", (SITE,), "all_generated").count(2, 5, 3) == 2
 
 
 def test_store_orders_positions_and_keeps_the_latest_recompute() -> None:
-    spec = CaptureSpec("a", (SITE,), "all")
+    spec = WorkerCapture("a", (SITE,), "all")
     store = CaptureStore()
     first = build_capture_tables([(RowSpan(0, 2, 0, 3), spec)])  # positions 0, 1
     store.record_site(SITE, first[SITE], torch.tensor([[0.0], [1.0]]))
@@ -339,7 +347,7 @@ def test_sites_of_one_capture_share_one_layout_per_take(monkeypatch) -> None:
     for step, spans in enumerate(
         [[RowSpan(0, 3, 0, 3), RowSpan(3, 5, 0, 2)], [RowSpan(0, 1, 3, 3)]]
     ):
-        specs = [CaptureSpec("a", both, "all"), CaptureSpec("b", both, "all")][: len(spans)]
+        specs = [WorkerCapture("a", both, "all"), WorkerCapture("b", both, "all")][: len(spans)]
         tables = build_capture_tables(list(zip(spans, specs)))
         for k, site in enumerate(both):
             value = torch.full((5, H), 10.0 * step + k) + torch.arange(5.0)[:, None]
@@ -355,7 +363,7 @@ def test_sites_of_one_capture_share_one_layout_per_take(monkeypatch) -> None:
 def test_decode_steps_follow_the_batch_as_it_changes() -> None:
     """Steps that repeat the last one's combination ids copy nothing; every other step
     (requests reordered, finished, unsteered) gets exactly its own rows steered."""
-    state = SteeringState(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER)
     spec = steer("all")
     steps = [
         (["a", "b", "c"], {"a", "c"}),
@@ -394,13 +402,13 @@ def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
     nudged = v.clone()
     nudged[2] += 1e-3
 
-    def decoded(wire: dict) -> SteerSpec:
-        return SteerSpec.from_wire(wire, ORDER, H)
+    def decoded(wire: dict) -> WorkerSteering:
+        return worker_steering(Steering.from_wire(wire), ORDER, H)
 
     assert decoded(wire(v)) is decoded(wire(v.clone()))
     assert decoded(wire(v)) is not decoded(wire(nudged))
     assert decoded(wire(v)) is not decoded(wire(v, scale=3.0))
-    state = SteeringState(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER)
     same = [request(r, range(4, 5), 2, [decoded(wire(v))]) for r in "abc"]
     state.plan(same)
     assert state.plan_ is not None and len(state.plan_.key) == 2  # none, and the one spec

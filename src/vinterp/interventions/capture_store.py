@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vinterp.fastpath.tables import SiteCapture
+from vinterp.interventions.tables import SiteCapture
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 # per capture id, per site: (one step's gathered rows, first row, positions) for each step

@@ -135,7 +135,7 @@ def time_engines(
     that slow drift of the machine reaches plain vLLM and vinterp alike. Otherwise one engine
     at a time, its workloads interleaved with each other only: the default, since on the
     lent GPUs the noise changed within seconds (pairing did not narrow it) and engines alive
-    together ran ~30% slower (docs/GPU.md, ninth session), and on the CPU machine two engines
+    together ran ~30% slower (docs/notes/gpu-log.md), and on the CPU machine two engines
     share two cores (DESIGN.md lesson 8)."""
     workloads: dict[str, Workload] = {}
     timings: dict[str, Timing] = {}
@@ -190,7 +190,7 @@ def plain_engine(
 
 
 def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """(key, name, generate kwargs) of the fast-path rows (also scripts/gpu_profile.py's)."""
+    """(key, name, generate kwargs) of the steering and capture rows."""
     import vinterp
 
     vector = torch.randn(int(llm.config.hidden_size), generator=torch.Generator().manual_seed(0))
@@ -215,7 +215,7 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
 def vinterp_generations(
     llm: Any, texts: list[str], max_tokens: int, selected: set[str], suffix: str = ""
 ) -> list[Workload]:
-    """The selected fast-path workloads on `llm`, each named with the size and `suffix`."""
+    """The selected workloads on `llm`, each named with the size and `suffix`."""
 
     def generate(kwargs: dict[str, Any]) -> Callable[[], object]:
         return lambda: llm.generate(

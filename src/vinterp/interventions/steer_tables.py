@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vinterp.fastpath.applied import steered_per_site
-from vinterp.fastpath.specs import SteerSpec
-from vinterp.fastpath.steer_buffers import SteerBuffers, SteerTables
-from vinterp.fastpath.uploads import upload
+from vinterp.interventions.applied import steered_per_site
+from vinterp.interventions.specs import WorkerSteering
+from vinterp.interventions.steer_buffers import SteerBuffers, SteerTables
+from vinterp.interventions.uploads import upload
 from vinterp.sites.names import SiteOrder
 
 
@@ -27,9 +27,9 @@ class RequestSteering:
     """One request's steering specs in order, and those that steer its generated tokens (the
     same for all of them), worked out once: most steps are decode steps."""
 
-    specs: tuple[SteerSpec, ...]
+    specs: tuple[WorkerSteering, ...]
     prompt_len: int
-    generated: tuple[SteerSpec, ...] = field(init=False)
+    generated: tuple[WorkerSteering, ...] = field(init=False)
     generated_key: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,14 +60,14 @@ class SteerPlan:
 
 def _combinations(
     requests: list[SteeredRequest],
-) -> tuple[dict[str, int | np.ndarray], dict[tuple[int, ...], tuple[SteerSpec, ...]]]:
+) -> tuple[dict[str, int | np.ndarray], dict[tuple[int, ...], tuple[WorkerSteering, ...]]]:
     """Per request, a combination id (one for all its tokens, or one per token while its
     prompt is computed); and each combination's specs, keyed by their serials, in id order
     (id 0: none)."""
-    combos: dict[tuple[int, ...], tuple[SteerSpec, ...]] = {(): ()}
+    combos: dict[tuple[int, ...], tuple[WorkerSteering, ...]] = {(): ()}
     ids: dict[tuple[int, ...], int] = {(): 0}
 
-    def combo_id(key: tuple[int, ...], chosen: tuple[SteerSpec, ...]) -> int:
+    def combo_id(key: tuple[int, ...], chosen: tuple[WorkerSteering, ...]) -> int:
         found = ids.get(key)
         if found is None:
             found = ids[key] = len(combos)
@@ -94,7 +94,7 @@ def _combinations(
 
 
 def _tables(
-    specs_by_combo: list[tuple[SteerSpec, ...]], order: SiteOrder, hidden_size: int
+    specs_by_combo: list[tuple[WorkerSteering, ...]], order: SiteOrder, hidden_size: int
 ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """site_rows and the summed plain (add) and norm-matched (unit) vectors, row 0 zero."""
     site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
@@ -113,7 +113,7 @@ def _tables(
 
 
 @dataclass
-class SteeringState:
+class SteeringPlanner:
     """Plans each step's steering and keeps the persistent buffers up to date."""
 
     buffers: SteerBuffers

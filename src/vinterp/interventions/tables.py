@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vinterp.fastpath.specs import CaptureSpec
+from vinterp.interventions.specs import WorkerCapture
 
 
 @dataclass
@@ -43,7 +43,7 @@ class SiteCapture:
         return self._on_device[device]
 
 
-def build_capture_tables(requests: list[tuple[RowSpan, CaptureSpec]]) -> dict[str, SiteCapture]:
+def build_capture_tables(requests: list[tuple[RowSpan, WorkerCapture]]) -> dict[str, SiteCapture]:
     """Each site's SiteCapture for this step. Requests are grouped by the sites they capture,
     so the tables cost a few lists per group, not one per request and site."""
     groups: dict[tuple[str, ...], tuple[list[int], list[tuple[str, list[int]]]]] = {}

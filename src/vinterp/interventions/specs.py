@@ -1,0 +1,164 @@
+"""What a worker builds from a request's `Steering` and `Capture` (`vinterp.wire.specs`): a
+serial and a content key per steering (the tables are keyed by them), the scaled vectors,
+and the capture's sites expanded for this model.
+
+The request's data is decoded by the one decoder of the wire package and checked again
+against the model here (raising only WireError): a worker never takes a malformed spec for
+a valid one, whoever built it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.wire.errors import WireError
+from vinterp.wire.specs import (
+    Capture,
+    RequestSpecs,
+    Steering,
+    selected_count,
+    selection_ended,
+    selects,
+    steering_misfit,
+)
+from vinterp.wire.tensors import tensor_to_wire
+
+_SERIALS = itertools.count(1)
+# Identical specs become one WorkerSteering: the same steering sent with 256 requests is one
+# combination and one table row, not 256 (bounded: cleared when full).
+_BY_CONTENT: dict[tuple[Any, ...], WorkerSteering] = {}
+_BY_CONTENT_MAX = 4096
+
+
+@dataclass(frozen=True)
+class WorkerSteering:
+    """A `Steering` as the steering tables use it: its serial, and which tokens it steers."""
+
+    steering: Steering
+    positions: frozenset[int] | None = field(init=False)
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
+
+    def __post_init__(self) -> None:
+        positions = self.steering.positions
+        object.__setattr__(self, "positions", None if positions is None else frozenset(positions))
+
+    @classmethod
+    def shared(cls, steering: Steering) -> WorkerSteering:
+        """The one WorkerSteering of every steering with this content."""
+        key = content_key(steering)
+        if key not in _BY_CONTENT:
+            if len(_BY_CONTENT) >= _BY_CONTENT_MAX:
+                _BY_CONTENT.clear()
+            _BY_CONTENT[key] = cls(steering)
+        return _BY_CONTENT[key]
+
+    @property
+    def vectors(self) -> dict[str, torch.Tensor]:
+        return self.steering.vectors
+
+    @property
+    def norm_match(self) -> bool:
+        return self.steering.norm_match
+
+    def applies(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Which of these absolute token positions the steering steers."""
+        in_prompt = positions < prompt_len
+        phases = {"prefill": in_prompt, "decode": ~in_prompt}
+        mask = phases.get(self.steering.phase, np.ones_like(in_prompt))
+        if self.positions is not None:
+            mask = mask & in_prompt & np.isin(positions, list(self.positions))
+        return mask
+
+    def scaled(self, site: str) -> torch.Tensor:
+        """What it adds at `site`: scale * v, or scale * v / |v| (times the token's residual
+        norm, applied on the device) with norm_match."""
+        vector = self.vectors[site].float() * self.steering.scale
+        if self.norm_match:
+            return vector / self.vectors[site].float().norm().clamp_min(1e-12)
+        return vector
+
+
+def content_key(steering: Steering) -> tuple[Any, ...]:
+    """Equal for steerings that steer alike (the vectors by a digest of their bytes)."""
+    vectors = tuple(
+        (site, tuple(v.shape), hashlib.blake2b(tensor_to_wire(v)["data"]).digest())
+        for site, v in sorted(steering.vectors.items())
+    )
+    positions = None if steering.positions is None else tuple(sorted(steering.positions))
+    return (vectors, steering.scale, steering.phase, positions, steering.norm_match)
+
+
+@dataclass(frozen=True)
+class WorkerCapture:
+    """A request's `Capture` as the capture tables use it: its id, the sites it names
+    expanded for this model, and the positions it selects."""
+
+    capture_id: str
+    sites: tuple[str, ...]
+    positions: str | frozenset[int]
+
+    @classmethod
+    def of(cls, capture_id: str, capture: Capture, order: SiteOrder) -> WorkerCapture:
+        try:
+            sites = tuple(s for pattern in capture.sites for s in order.expand(pattern))
+        except UnknownSiteError as exc:
+            raise WireError(f"capture.sites: {exc}") from None
+        positions = capture.positions
+        return cls(
+            capture_id, sites, positions if isinstance(positions, str) else frozenset(positions)
+        )
+
+    def count(self, first: int, end: int, prompt_len: int) -> int:
+        """How many positions in first..end-1 are captured (decides how a step runs)."""
+        return selected_count(self.positions, first, end, prompt_len)
+
+    def ended(self, end: int, prompt_len: int) -> bool:
+        """Whether no position from `end` on is captured: a request computed up to there
+        needs no capturing step any more."""
+        return selection_ended(self.positions, end, prompt_len)
+
+    def wants(self, position: int, prompt_len: int) -> bool:
+        return selects(self.positions, position, prompt_len)
+
+
+@dataclass
+class WorkerRequest:
+    """What one request asks of the workers (decoded once, cached on the request)."""
+
+    steering: list[WorkerSteering]
+    steering_names: list[str]
+    capture: WorkerCapture | None
+    trace: tuple[str, int] | None
+
+
+def worker_steering(steering: Steering, order: SiteOrder, hidden_size: int) -> WorkerSteering:
+    """A decoded steering checked against this model."""
+    misfit = steering_misfit(steering, order.num_layers, hidden_size)
+    if misfit is not None:
+        raise WireError(misfit)
+    return WorkerSteering.shared(steering)
+
+
+def decode_request(extra: Any, order: SiteOrder, hidden_size: int) -> WorkerRequest:
+    """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict)."""
+    cached = extra.get("_decoded") if isinstance(extra, dict) else None
+    if cached is None:
+        specs = RequestSpecs.from_wire(extra)
+        capture = None
+        if specs.capture is not None:
+            capture = WorkerCapture.of(specs.capture_id, specs.capture, order)
+        cached = WorkerRequest(
+            [worker_steering(s, order, hidden_size) for s in specs.steering],
+            specs.steering_names,
+            capture,
+            specs.trace,
+        )
+        extra["_decoded"] = cached
+    return cached

@@ -1,0 +1,344 @@
+"""Steering and capture specs (API.md section 5), and their one encoding.
+
+`Steering` and `Capture` are validated data, no code. Each has two forms on the wire: the
+JSON form (API.md section 6, tensors as base64 text) that HTTP clients send, and the worker
+form (tensors as raw bytes) that rides in a vLLM request's `extra_args` under
+`EXTRA_ARGS_KEY`; both come from one encoder and go through one decoder, which raises only
+WireError. What a worker needs beyond the spec (serials, content keys, scaled vectors) is
+built from it there (`vinterp.interventions.specs`).
+
+Checks that need the model (layer range, hidden size) are `steering_misfit`, run by the
+front ends before a request is queued and again by the workers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from vinterp.sites.names import UnknownSiteError, is_steerable, parse_site
+from vinterp.wire.errors import WireError, short
+from vinterp.wire.json_form import tensor_from_json, tensor_to_json
+from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
+
+Phase = Literal["all", "prefill", "decode"]
+PositionSelector = Literal["last_prompt", "all_prompt", "all_generated", "all"]
+PHASES: tuple[str, ...] = get_args(Phase)
+POSITION_SELECTORS: tuple[str, ...] = get_args(PositionSelector)
+CAPTURABLE_OUTSIDE_LAYERS = ("embed.output", "final_norm.output")
+# The one key of a request's `SamplingParams.extra_args` that vinterp reads in the workers.
+EXTRA_ARGS_KEY = "vinterp"
+
+TensorEncoder = Callable[[torch.Tensor], dict[str, Any]]
+TensorDecoder = Callable[[Any, str], torch.Tensor]
+
+
+class Steering(BaseModel):
+    """Add `scale * vector` at sites of the residual stream, per request or globally."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    vectors: dict[str, torch.Tensor]
+    scale: float = 1.0
+    phase: Phase = "all"
+    positions: list[int] | None = None
+    norm_match: bool = False
+
+    def __init__(self, vectors: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(vectors=vectors, **kwargs)
+
+    @field_validator("vectors", mode="before")
+    @classmethod
+    def _vectors(cls, value: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(value, dict) or not value:
+            raise ValueError("vectors: give a dict {site: vector}, e.g. {'layers.10.output': v}")
+        out = {}
+        for site, vector in value.items():
+            if not isinstance(site, str) or not is_steerable(site):
+                raise ValueError(
+                    f"vectors: {short(site)} cannot be steered; use layers.{{i}}.input|output, "
+                    "layers.{i}.attn.output or layers.{i}.mlp.output"
+                )
+            tensor = torch.as_tensor(vector).detach().to("cpu", torch.float32)
+            if tensor.dim() != 1:
+                raise ValueError(
+                    f"vectors[{site!r}]: expected a 1-D vector, got {tuple(tensor.shape)}"
+                )
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"vectors[{site!r}]: contains inf or nan")
+            out[site] = tensor
+        return out
+
+    @field_validator("scale")
+    @classmethod
+    def _scale(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("scale: expected a finite number")
+        return value
+
+    @field_validator("positions")
+    @classmethod
+    def _positions(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(p < 0 for p in value):
+            raise ValueError("positions: prompt positions are >= 0")
+        return value
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (API.md section 6): the `steering` of the `vinterp` extra body field."""
+        return _steering_data(self, tensor_to_json)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Steering:
+        """The inverse of `to_json`, for data from anyone: raises only WireError."""
+        return _steering_from_data(obj, tensor_from_json)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The worker form: as `to_json`, with the vectors' raw bytes."""
+        return _steering_data(self, tensor_to_wire)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Steering:
+        """The inverse of `to_wire`: raises only WireError."""
+        return _steering_from_data(obj, tensor_from_wire)
+
+
+class Capture(BaseModel):
+    """Record site values at chosen positions; returned per request or written to a sink."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sites: list[str]
+    positions: PositionSelector | list[int] = "last_prompt"
+    sink: Literal["memory", "filesystem", "logging"] = "memory"
+    path: str | None = None
+
+    def __init__(self, sites: list[str] | str, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("path"), os.PathLike):  # a pathlib.Path is welcome too
+            kwargs["path"] = os.fspath(kwargs["path"])
+        super().__init__(sites=[sites] if isinstance(sites, str) else sites, **kwargs)
+
+    @field_validator("sites")
+    @classmethod
+    def _sites(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("sites: name at least one site, e.g. 'layers.*.output'")
+        for site in value:
+            if not _is_capturable(site):
+                raise ValueError(
+                    f"sites: {short(site)} cannot be captured; use embed.output, "
+                    "final_norm.output or "
+                    "layers.{i|*}.input|output|attn.input|attn.output|mlp.input|mlp.output"
+                )
+        return value
+
+    @field_validator("positions")
+    @classmethod
+    def _positions(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(p < 0 for p in value):
+            raise ValueError("positions: token positions are >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _sink_path(self) -> Capture:
+        if self.sink == "filesystem" and not self.path:
+            raise ValueError("path: the filesystem sink needs path=<directory>")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (API.md section 6): the `capture` of the `vinterp` extra body field."""
+        return self.model_dump()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Capture:
+        """The inverse of `to_json`, for data from anyone: raises only WireError."""
+        _check_fields(obj, "capture", cls.model_fields)
+        return _validated(cls, "capture", obj)
+
+
+# -- positions a capture selects (one definition, used by the workers and the front ends) ---
+
+
+def selected_count(positions: str | Collection[int], first: int, end: int, prompt_len: int) -> int:
+    """How many positions in first..end-1 a selector captures."""
+    if not isinstance(positions, str):
+        return sum(first <= p < end for p in positions)
+    if positions == "last_prompt":
+        return int(first <= prompt_len - 1 < end)
+    if positions == "all_prompt":
+        return max(0, min(end, prompt_len) - first)
+    if positions == "all_generated":
+        return max(0, end - max(first, prompt_len))
+    return end - first
+
+
+def selection_ended(positions: str | Collection[int], end: int, prompt_len: int) -> bool:
+    """Whether a selector captures nothing from `end` on."""
+    if not isinstance(positions, str):
+        return all(p < end for p in positions)
+    if positions in ("last_prompt", "all_prompt"):
+        return end >= prompt_len
+    return False
+
+
+def selects(positions: str | Collection[int], position: int, prompt_len: int) -> bool:
+    """Whether a selector captures this position."""
+    if not isinstance(positions, str):
+        return position in positions
+    if positions == "last_prompt":
+        return position == prompt_len - 1
+    if positions == "all_prompt":
+        return position < prompt_len
+    if positions == "all_generated":
+        return position >= prompt_len
+    return True
+
+
+# -- checks against a model ----------------------------------------------------------------
+
+
+def steering_misfit(
+    steering: Steering, num_layers: int, hidden_size: int, field_name: str = "steering"
+) -> str | None:
+    """What makes `steering` unfit for a model of this depth and width (None: it fits)."""
+    for site, vector in steering.vectors.items():
+        layer = parse_site(site).layer  # a Steering holds only layer sites
+        if layer is None or layer >= num_layers:
+            return (
+                f"{field_name}.vectors[{site!r}]: layer {layer} is out of range; "
+                f"this model has layers 0..{num_layers - 1}"
+            )
+        if vector.numel() != hidden_size:
+            return (
+                f"{field_name}.vectors[{site!r}]: the vector has {vector.numel()} "
+                f"values; this model's hidden size is {hidden_size}"
+            )
+    return None
+
+
+# -- what one request carries to the workers ------------------------------------------------
+
+
+@dataclass
+class RequestSpecs:
+    """One request's interventions as the workers receive them: its own steering, the names
+    of registered steerings, a capture with its id, or the trace invoke it runs."""
+
+    steering: list[Steering] = field(default_factory=list)
+    steering_names: list[str] = field(default_factory=list)
+    capture: Capture | None = None
+    capture_id: str = ""
+    trace: tuple[str, int] | None = None  # (trace id, invoke)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The value of `extra_args[EXTRA_ARGS_KEY]`."""
+        out: dict[str, Any] = {}
+        if self.steering:
+            out["steering"] = [s.to_wire() for s in self.steering]
+        if self.steering_names:
+            out["steering_names"] = list(self.steering_names)
+        if self.capture is not None:
+            out["capture"] = {"id": self.capture_id, **self.capture.to_json()}
+        if self.trace is not None:
+            out["trace"] = [self.trace[0], self.trace[1]]
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> RequestSpecs:
+        """The inverse of `to_wire`, for data from anyone: raises only WireError."""
+        fields = {"steering", "steering_names", "capture", "trace"}
+        if not isinstance(obj, dict) or not set(obj) <= fields:
+            raise WireError(f"{EXTRA_ARGS_KEY}: expected a dict with fields among {sorted(fields)}")
+        steering = obj.get("steering", [])
+        if not isinstance(steering, list):
+            raise WireError(f"{EXTRA_ARGS_KEY}.steering: expected a list, got {short(steering)}")
+        names = obj.get("steering_names", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise WireError(f"{EXTRA_ARGS_KEY}.steering_names: expected names, got {short(names)}")
+        specs = cls([Steering.from_wire(s) for s in steering], list(names))
+        capture = obj.get("capture")
+        if capture is not None:
+            if not isinstance(capture, dict):
+                raise WireError(f"{EXTRA_ARGS_KEY}.capture: expected a dict, got {short(capture)}")
+            capture_id = capture.get("id")
+            if not isinstance(capture_id, str) or not capture_id:
+                raise WireError(f"capture.id: expected a non-empty string, got {short(capture_id)}")
+            specs.capture_id = capture_id
+            specs.capture = Capture.from_json({k: v for k, v in capture.items() if k != "id"})
+        trace = obj.get("trace")
+        if trace is not None:
+            if (
+                not isinstance(trace, list)
+                or len(trace) != 2
+                or not isinstance(trace[0], str)
+                or not isinstance(trace[1], int)
+                or isinstance(trace[1], bool)
+            ):
+                raise WireError(f"{EXTRA_ARGS_KEY}.trace: expected [trace id, invoke]")
+            specs.trace = (trace[0], trace[1])
+        return specs
+
+
+def _steering_data(steering: Steering, tensor: TensorEncoder) -> dict[str, Any]:
+    return {
+        "vectors": {s: tensor(v) for s, v in steering.vectors.items()},
+        "scale": steering.scale,
+        "phase": steering.phase,
+        "positions": steering.positions,
+        "norm_match": steering.norm_match,
+    }
+
+
+def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
+    _check_fields(obj, "steering", Steering.model_fields)
+    if not isinstance(obj["vectors"], dict):
+        raise WireError("steering.vectors: expected {site: tensor}")
+    vectors = {s: tensor(v, f"steering.vectors[{short(s)}]") for s, v in obj["vectors"].items()}
+    return _validated(Steering, "steering", {**obj, "vectors": vectors})
+
+
+def _is_capturable(site: Any) -> bool:
+    if not isinstance(site, str):
+        return False
+    try:
+        parsed = parse_site(site, pattern=True)
+    except UnknownSiteError:
+        return False
+    return parsed.kind == "layer" or site in CAPTURABLE_OUTSIDE_LAYERS
+
+
+def _check_fields(obj: Any, what: str, fields: dict[str, Any]) -> None:
+    """A spec's data is an object with its first field and no unknown ones."""
+    first = next(iter(fields))
+    if not isinstance(obj, dict) or first not in obj:
+        raise WireError(f"{what}: expected {{{', '.join(fields)}}} with {first}")
+    unknown = [k for k in obj if k not in fields]
+    if unknown:
+        raise WireError(
+            f"{what}: unknown fields {[str(k) for k in unknown][:5]}; the fields are "
+            f"{', '.join(fields)}"
+        )
+
+
+def _validated(cls: type[BaseModel], what: str, fields: dict[str, Any]) -> Any:
+    """`cls(**fields)` with pydantic's validation errors as one WireError naming each field."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            message = str(error["msg"]).removeprefix("Value error, ")
+            field_name = str(error["loc"][0]) if error["loc"] else ""
+            problems.append(
+                f"{what}.{message}"
+                if not field_name or message.startswith(field_name)
+                else f"{what}.{field_name}: {message}"
+            )
+        raise WireError("; ".join(problems)) from None
+    except (TypeError, ValueError) as exc:  # e.g. torch refusing a vector's values
+        raise WireError(f"{what}: {exc}") from None

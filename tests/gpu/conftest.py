@@ -1,0 +1,232 @@
+"""GPU acceptance tests: vinterp with CUDA graphs in bf16 against its own `enforce_eager=True`
+engine and plain vLLM (test_gpu_check.py, one GPU), and tensor and pipeline parallelism
+against one worker (test_gpu_parallel.py, two GPUs). Skipped on a machine without a CUDA GPU
+(the two-GPU tests: with fewer than two), as on the CPU machine `make test` runs on; marked
+`engine` (not in `make test-fast`).
+
+On the lent GPU machine (/work/shared/gpu/README.md: install the wheels, then, in the call
+that sends the last part or a later one):
+
+    source .gpu/bin/setup.sh [.gpu/pNN] && \\
+        VINTERP_GPU_OUT=$OUT VINTERP_GPU_KEEP=/tmp/gpu-keep python3 -m pytest tests/gpu -q \\
+        2>&1 | tee $OUT/log
+
+Each engine start costs a minute or more (over 4 minutes for the first compile on a fresh
+machine) and a call at most 10: with VINTERP_GPU_KEEP set, each engine's results are kept
+in that folder as soon as it has run, and a later run of the same command (on the same warm
+machine) loads them instead of starting that engine again. So rerun the command until it
+passes the time limit; `-k` picks tests, and only the engines they need start (e.g.
+`-k "not plain and not in_graph"`: the vinterp engines with and without graphs only).
+
+Environment:
+  VINTERP_GPU_OUT=DIR       write each module's checks (with their numbers), tokens and
+                            timings to DIR/gpu_check.json and DIR/gpu_parallel.json
+  VINTERP_GPU_KEEP=DIR      keep and reuse each engine's results (see above)
+  VINTERP_GPU_MODEL         test_gpu_check's model: bundled (default), llama1b (a random
+                            Llama of ~1B parameters, LLAMA_1B below) or a checkpoint path
+  VINTERP_GPU_PARALLEL_MODEL  test_gpu_parallel's: llama1b (default; the bundled model's 9
+                            attention heads do not split over two GPUs), tiny or a path
+  VINTERP_CHECK_APPLIED=1   every vinterp engine counts on the GPU what its site ops applied,
+                            inside the replayed graphs, and raises where a step applied less
+                            than it asked for (its timings then include a wait per step)
+  VLLM_USE_V2_MODEL_RUNNER=0  vLLM's V1 GPU runner instead of its default V2 one
+
+bf16 tolerances: captures, trace saves and logits within 2e-2 relative error (captures taken
+inside the compiled graphs, `capture_in_graph`: 1e-1, compiled-vs-eager distance); greedy
+tokens equal for at least 7 of the 8 prompts where the same computation is compared (vinterp
+against plain vLLM in the same mode, TP/PP against one worker). Compiled and eager engines
+part on some prompts by themselves (plain vLLM's own: 6/8 for the bundled model on an H200),
+so vinterp's compiled-vs-eager token checks ask for at least one fewer than its unsteered
+runs share, and those may part no more than plain vLLM's.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+DTYPE = "bfloat16"
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Researchers read the residual stream to",
+    "Numbers 0 1 2 3 4 5",
+    "A good recipe for bread needs",
+    "The capital of Italy is",
+]
+N = len(PROMPTS)
+REL_TOL = 2e-2  # bf16: captures, saves and logits
+MIN_EQUAL = 7  # of 8 prompts' greedy tokens
+# A random Llama of ~1B parameters (head size 64) with the tiny models' vocab and tokenizer.
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,  # room for max_model_len 2048 (the tiny default is 512)
+}
+
+
+def gpus() -> int:
+    """CUDA GPUs visible, asked through NVML where torch can: this process must not initialise
+    CUDA before vLLM starts its engine processes."""
+    return torch.cuda.device_count()
+
+
+class Gpu:
+    """What both modules share: the prompts and tolerances, the comparisons, the models."""
+
+    PROMPTS = PROMPTS
+    N = N
+    REL_TOL = REL_TOL
+    MIN_EQUAL = MIN_EQUAL
+    DTYPE = DTYPE
+
+    @staticmethod
+    def equal(a: list[Any], b: list[Any]) -> int:
+        """How many of the paired entries are equal."""
+        return sum(x == y for x, y in zip(a, b))
+
+    @staticmethod
+    def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+        if a is None or b is None or a.shape != b.shape:
+            return math.inf
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+    @staticmethod
+    def model(name: str) -> Path:
+        """bundled, llama1b, tiny or a checkpoint path."""
+        import vinterp
+
+        if name == "bundled":
+            return vinterp.models.bundled()
+        if name == "llama1b":
+            return vinterp.models.tiny("llama", **LLAMA_1B)
+        if name == "tiny":
+            return vinterp.models.tiny("llama")
+        return Path(name)
+
+    @staticmethod
+    def free_memory() -> None:
+        """Between engines: drop dead objects and the allocator's cached blocks."""
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def vinterp_engine(model: Path, fn: Callable[[Any], Any], **engine_kwargs: Any) -> Any:
+        """Start vinterp.LLM in bf16, return fn(llm), shut it down and free GPU memory."""
+        import vinterp
+
+        llm = vinterp.LLM(model, dtype=DTYPE, **engine_kwargs)
+        try:
+            return fn(llm)
+        finally:
+            llm.shutdown()
+            del llm
+            Gpu.free_memory()
+
+
+class Report:
+    """A module's checks (each recorded, then asserted by the test) and what its engines
+    gave; written to $VINTERP_GPU_OUT/<name>.json when the module ends."""
+
+    def __init__(self, name: str, model: Path) -> None:
+        self.name, self.model = name, model
+        self.checks: list[dict[str, Any]] = []
+        self.data: dict[str, Any] = {}
+
+    def check(self, check: str, numbers: str, ok: bool) -> bool:
+        self.checks.append({"check": check, "numbers": numbers, "ok": bool(ok)})
+        print(f"{check:<60} {numbers:>18}  {'ok' if ok else 'NOT OK'}")
+        return bool(ok)
+
+    def kept(self, engine: str, run: Callable[[], Any]) -> Any:
+        """run() (one engine's results); with VINTERP_GPU_KEEP, saved there once run and
+        loaded by later runs of the same module, model and settings instead of running."""
+        keep = os.environ.get("VINTERP_GPU_KEEP")
+        if not keep:
+            return run()
+        settings = [str(self.model), DTYPE] + [
+            f"{k}={os.environ.get(k, '')}"
+            for k in ("VINTERP_CHECK_APPLIED", "VLLM_USE_V2_MODEL_RUNNER")
+        ]
+        digest = hashlib.sha256("\n".join(settings).encode()).hexdigest()[:12]
+        file = Path(keep) / f"{self.name}-{self.model.name}-{digest}-{engine}.pt"
+        if file.exists():
+            return torch.load(file, weights_only=False)
+        result = run()
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, file)
+        return result
+
+    def write(self) -> None:
+        out = os.environ.get("VINTERP_GPU_OUT")
+        if not out:
+            return
+        doc = {"machine": machine(self.model), "checks": self.checks, **self.data}
+        path = Path(out) / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        print(f"written {path}")
+
+
+def machine(model: Path) -> dict[str, Any]:
+    """Where and how the module ran."""
+    import importlib.metadata
+
+    import vllm
+
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name(0) if gpus() else platform.processor(),
+        "gpus": gpus(),
+        "commit": commit,
+        "vinterp": importlib.metadata.version("vinterp"),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "dtype": DTYPE,
+        "model": str(model),
+        "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "vllm default",
+        "check_applied": os.environ.get("VINTERP_CHECK_APPLIED", "") not in ("", "0"),
+    }
+
+
+@pytest.fixture(scope="session")
+def gpu() -> Gpu:
+    return Gpu()
+
+
+@pytest.fixture(scope="module")
+def report(request: pytest.FixtureRequest, engines: Any) -> Iterator[Report]:
+    """The module's report; its model is the module's `MODEL_ENV` setting (else
+    `DEFAULT_MODEL`). The shared engine of the other tests is stopped first: these start
+    their own, one at a time."""
+    engines.release()
+    module = request.module
+    model = Gpu.model(os.environ.get(module.MODEL_ENV) or module.DEFAULT_MODEL)
+    report = Report(module.__name__.removeprefix("test_"), model)
+    yield report
+    report.write()
