@@ -67,13 +67,16 @@ def test_logit_lens_and_final_norm_function(vllm_llm, hf_llm) -> None:
         with llm.trace(PROMPT, max_tokens=1):
             last = llm.layers[-1].output[-1]
             lensed = llm.unembed(last).save()
+            batched = llm.unembed(llm.layers[-1].output[None]).save()  # (1, T, V)
             normed = llm.final_norm(llm.layers[-1].output).save()
             direct = llm.lm_head(llm.final_norm.output).save()
             logits = llm.logits.save()
+        assert rel_err(batched[0, -1], logits[0]) < 1e-4
         return lensed, normed, direct, logits
 
     for llm in (vllm_llm, hf_llm):
         lensed, normed, direct, logits = lens(llm)
+        assert lensed.shape == logits[0].shape
         assert rel_err(lensed, logits[0]) < 1e-4
         assert rel_err(direct[-1], logits[0]) < 1e-4
         assert normed.shape == (len(llm.tokenizer(PROMPT).input_ids), 576)

@@ -249,3 +249,43 @@ def test_an_invoke_works_at_the_steps_of_its_own_nodes_only() -> None:
     run = TraceRun(g, make_plan(g, SITES), {})
     works = {k: [s for s in range(6) if run.works_at(k, s)] for k in range(3)}
     assert works == {0: [0], 1: [2, 3], 2: []}
+
+
+def _kernel_stand_in(weight: torch.Tensor):
+    """What vLLM's CUDA norm and GEMM kernels accept: a contiguous (rows, H) matrix only."""
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():
+            raise RuntimeError(f"kernel: expected a contiguous 2-D input, got {tuple(x.shape)}")
+        return x @ weight.T
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "index", [(-1,), (slice(-1, None),), (None,), (None, slice(None, None, 2))]
+)
+def test_model_functions_get_rows_whatever_the_value_s_shape(index) -> None:
+    """`llm.unembed(layer.output[-1])` (1-D), `[-1:]` (2-D), a 3-D value and a strided view
+    all reach the model functions as one contiguous (rows, H) matrix, as GPU kernels need."""
+    from vinterp.runtime.executor import TraceRun
+
+    order = SiteOrder(2)
+    g = Graph(invokes=[Invoke([1, 2, 3, 4], {})])
+    read = g.add(Node("read", "layers.1.output", [], {}, 0))
+    key = index[0] if len(index) == 1 else index
+    part = g.add(Node("call", "op.getitem", [ref(read), encode_arg(key, ref)], {}, 0))
+    normed = g.add(Node("call", "model.final_norm", [ref(part)], {}, 0))
+    lens = g.add(Node("call", "model.lm_head", [ref(normed)], {}, 0))
+    g.saves.append(lens)
+    norm_w, head_w = torch.randn(8, 8), torch.randn(5, 8)
+    functions = {"final_norm": _kernel_stand_in(norm_w), "lm_head": _kernel_stand_in(head_w)}
+    run = TraceRun(g, make_plan(g, order), functions)
+    x = torch.randn(4, 8)
+    run.at_site(0, 0, "layers.1.output", x)
+    assert run.failure is None, run.failure
+    part_value = x[index]
+    want = part_value @ norm_w.T @ head_w.T
+    got = run.results()[lens]
+    assert got.shape == (*part_value.shape[:-1], 5)
+    torch.testing.assert_close(got, want)

@@ -38,7 +38,7 @@ ENGINES: dict[str, dict[str, Any]] = {
 COMPARED = ("graphs", "in_graph")  # each against "eager"
 TOKENS = ("unsteered", "steered", "mixed", "named", "global", "cleared", "norm_match", "decode")
 STEERED = ("steered", "named", "global", "norm_match", "decode")
-SAVES = ("h", "logits", "written_logits", "patched_logits")
+SAVES = ("h", "logits", "written_logits", "patched_logits", "lens_row", "lens_rows", "lens_batch")
 # in_graph's captures are computed inside the compiled graphs: compiled-vs-eager bf16 distance
 # (5.3e-2 every layer at last_prompt, bundled model, H200 2026-11-27), not the 2e-2 of values
 # from uncompiled steps (0 observed).
@@ -96,6 +96,10 @@ def run_traces(llm: Any, gpu: Any, mid: int, v: torch.Tensor) -> dict[str, Any]:
     with llm.trace(gpu.PROMPTS[0], max_tokens=1):
         h = llm.layers[mid].output.save()
         logits = llm.logits.save()
+        last = llm.layers[-1].output
+        lens_row = llm.unembed(last[-1]).save()  # 1-D: failed in vLLM's CUDA norm kernel
+        lens_rows = llm.unembed(last[-1:]).save()
+        lens_batch = llm.unembed(last[None]).save()
     with llm.trace(gpu.PROMPTS[0], max_tokens=1):
         llm.layers[mid].output[-1] += 8.0 * v
         written = llm.logits.save()
@@ -109,7 +113,15 @@ def run_traces(llm: Any, gpu: Any, mid: int, v: torch.Tensor) -> dict[str, Any]:
         with tr.invoke("The capital of Italy is"):
             llm.layers[mid].output[-1] = clean
             patched = llm.logits.save()
-    saved = {"h": h, "logits": logits, "written_logits": written, "patched_logits": patched}
+    saved = {
+        "h": h,
+        "logits": logits,
+        "written_logits": written,
+        "patched_logits": patched,
+        "lens_row": lens_row,
+        "lens_rows": lens_rows[-1],
+        "lens_batch": lens_batch[0, -1],
+    }
     return {**{k: t.float().cpu() for k, t in saved.items()}, "samples": [int(s) for s in samples]}
 
 
@@ -276,6 +288,15 @@ def test_captures_equal_the_eager_engine(results, report, gpu, engine, capture) 
 def test_trace_saves_equal_the_eager_engine(results, report, gpu, engine, save) -> None:
     err = gpu.rel_err(results(engine)["traces"][save], results("eager")["traces"][save])
     assert report.check(f"{engine} trace save {save}: rel err", f"{err:.2e}", err < gpu.REL_TOL)
+
+
+@pytest.mark.parametrize("engine", ("graphs", "eager", "in_graph"))
+@pytest.mark.parametrize("lens", ("lens_row", "lens_rows", "lens_batch"))
+def test_the_last_layers_logit_lens_is_the_logits(results, report, gpu, engine, lens) -> None:
+    """`llm.unembed` on a 1-D row, a 2-D slice and a 3-D batch of the last layer's output."""
+    traces = results(engine)["traces"]
+    err = gpu.rel_err(traces[lens], traces["logits"][0])
+    assert report.check(f"{engine} {lens} == logits: rel err", f"{err:.2e}", err < gpu.REL_TOL)
 
 
 @pytest.mark.parametrize("engine", COMPARED)

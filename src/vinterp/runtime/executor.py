@@ -130,7 +130,12 @@ class TraceRun:
             args = [self._arg(a, step) for a in node.args]
             kwargs = {k: self._arg(v, step) for k, v in node.kwargs.items()}
             if node.target.startswith("model."):
-                result = self.model_functions[node.target.removeprefix("model.")](*args, **kwargs)
+                name = node.target.removeprefix("model.")
+                function = self.model_functions[name]
+                if name in ROW_FUNCTIONS:
+                    result = on_rows(function, *args, **kwargs)
+                else:
+                    result = function(*args, **kwargs)
             else:
                 result = lookup(node.target)(*args, **kwargs)
         else:
@@ -157,6 +162,20 @@ class TraceRun:
             n: [v[s] for s in sorted(v)] if isinstance(v, dict) else v
             for n, v in self.saved.items()
         }
+
+
+# Model functions that map each row of the hidden size to a row (a norm, the unembedding).
+ROW_FUNCTIONS = ("final_norm", "lm_head")
+
+
+def on_rows(function: Any, x: Any) -> Any:
+    """`function` on the rows of `x` as one contiguous (rows, H) matrix, the result in `x`'s
+    leading shape. The engines' GPU kernels take only that layout: vLLM's CUDA RMSNorm fails
+    on a 1-D row (`llm.unembed(llm.layers[i].output[-1])`), where the CPU kernels pass."""
+    if not isinstance(x, torch.Tensor) or (x.dim() == 2 and x.is_contiguous()):
+        return function(x)
+    out = function(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _copy(value: Any, device: str | None = None) -> Any:
