@@ -196,3 +196,13 @@ def test_layers_are_documented_in_design() -> None:
     assert [p for p in packages if f"{p}/" not in tokens] == []
     listed = sorted(packages, key=lambda p: tokens.index(f"{p}/"))
     assert [RANK[p] for p in listed] == sorted(RANK[p] for p in listed)
+
+
+def test_each_class_is_defined_once() -> None:
+    """One class per concept: no two modules define a class of the same name."""
+    where: dict[str, list[str]] = {}
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    assert {c: m for c, m in where.items() if len(m) > 1} == {}
