@@ -15,7 +15,7 @@ ROOT = Path(vinterp.__file__).parent
 # Lower layers first; a module may import its own package and the packages of lower layers.
 LAYERS = [
     {"errors"},
-    {"models", "sites"},
+    {"models", "sites", "store"},
     {"ir"},
     {"wire"},
     {"interventions"},

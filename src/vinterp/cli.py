@@ -126,6 +126,36 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args.model, args.host, args.port, args.api_key, args.rest, args.capture_in_graph)
 
 
+def _extract(args: argparse.Namespace) -> None:
+    if not args.verbose:
+        _quiet_logs()
+    import vinterp
+
+    with vinterp.LLM(args.model) as llm:
+        llm.extract(
+            args.prompts,
+            args.sites,
+            args.positions,
+            out=args.out,
+            dtype=args.dtype,
+            skip_first=args.skip_first,
+            column=args.column,
+            buffer_gb=args.buffer_gb,
+        )
+
+
+def _positions(text: str) -> str | list[int]:
+    """all_prompt, last_prompt, or comma-separated prompt positions."""
+    if text in ("all_prompt", "last_prompt"):
+        return text
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "expected all_prompt, last_prompt or positions like 0,5,9"
+        ) from None
+
+
 def _workload_list(text: str) -> list[str]:
     if text.strip() == "none":  # peers only
         return []
@@ -220,6 +250,43 @@ def main(argv: list[str] | None = None) -> None:
         "(as vinterp.LLM(capture_in_graph=True or [sites]))",
     )
     serve.set_defaults(run=_serve)
+    extract = commands.add_parser(
+        "extract", help="write activations of many prompts to a Hugging Face datasets folder"
+    )
+    extract.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
+    extract.add_argument(
+        "--prompts", required=True, help="a text file (one prompt per line) or a .jsonl file"
+    )
+    extract.add_argument(
+        "--column", default="text", help="the .jsonl field holding the prompt (default: text)"
+    )
+    extract.add_argument(
+        "--sites",
+        required=True,
+        type=lambda text: [s for s in text.split(",") if s],
+        help="comma-separated sites or patterns, e.g. layers.6.output,layers.*.mlp.output",
+    )
+    extract.add_argument(
+        "--positions",
+        type=_positions,
+        default="all_prompt",
+        help="all_prompt (default), last_prompt, or comma-separated positions",
+    )
+    extract.add_argument("--out", required=True, metavar="DIR", help="the dataset folder")
+    extract.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="stored values (default: the model's; bfloat16 is stored as float32)",
+    )
+    extract.add_argument(
+        "--skip-first", type=int, default=0, help="drop the first K positions (e.g. BOS)"
+    )
+    extract.add_argument(
+        "--buffer-gb", type=float, default=2.0, help="host memory for shards in flight"
+    )
+    extract.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
+    extract.set_defaults(run=_extract)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

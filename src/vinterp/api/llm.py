@@ -140,6 +140,29 @@ class LLM(LocalModel):
         the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
         return generate(self, prompts, steering, capture, sampling, use_tqdm)
 
+    def extract(
+        self,
+        prompts: Any,
+        sites: str | list[str],
+        positions: str | list[int] = "all_prompt",
+        *,
+        out: str | Path,
+        dtype: str | None = None,
+        skip_first: int = 0,
+        column: str = "text",
+        buffer_gb: float = 2.0,
+        use_tqdm: bool = True,
+    ) -> Any:
+        """Write the activations at `sites` of every prompt's `positions` to a Hugging Face
+        `datasets` directory `out`, streaming with bounded memory; a run stopped at any moment
+        continues when called again with the same arguments (API.md section 5, "Activation
+        datasets"). Returns the dataset (`datasets.load_from_disk(out)`)."""
+        from vinterp.api.extract import extract
+
+        return extract(
+            self, prompts, sites, positions, out, dtype, skip_first, column, buffer_gb, use_tqdm
+        )
+
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
         graphs (steps that trace or capture); steering alone never leaves the graphs.

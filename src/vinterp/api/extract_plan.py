@@ -1,0 +1,102 @@
+"""What `llm.extract` captures from each prompt and how prompts are cut into shards: pure
+functions of the token ids, so a restarted run cuts exactly the shards of the first one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PositionSpec = str | list[int]
+EXTRACT_POSITIONS = ("all_prompt", "last_prompt")
+TOO_LONG = "skipped_too_long"  # per-shard count of prompts the engine cannot take
+NO_ROWS = "prompts_without_rows"  # prompts whose every selected position was skipped
+TOKENS = "prompt_tokens"  # tokens the engine computed
+
+
+def check_positions(positions: PositionSpec, skip_first: int) -> PositionSpec:
+    """The positions spec as stored (a list sorted, without duplicates); ValueError otherwise."""
+    if isinstance(skip_first, bool) or not isinstance(skip_first, int) or skip_first < 0:
+        raise ValueError(f"skip_first: expected an int >= 0, got {skip_first!r}")
+    if isinstance(positions, str):
+        if positions not in EXTRACT_POSITIONS:
+            raise ValueError(
+                f"positions: expected one of {EXTRACT_POSITIONS} or a list of prompt positions, "
+                f"got {positions!r} (extract reads prompts only)"
+            )
+        return positions
+    if (
+        not isinstance(positions, (list, tuple))
+        or not positions
+        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
+    ):
+        raise ValueError(f"positions: expected a non-empty list of ints >= 0, got {positions!r}")
+    kept = sorted({p for p in positions if p >= skip_first})
+    if not kept:
+        raise ValueError(
+            f"positions: every position in {positions} is below skip_first={skip_first}"
+        )
+    return kept
+
+
+def selected(positions: PositionSpec, skip_first: int, length: int) -> np.ndarray:
+    """The positions of a prompt of `length` tokens that become rows, in order."""
+    if positions == "all_prompt":
+        return np.arange(skip_first, length, dtype=np.int32)
+    if positions == "last_prompt":
+        return np.arange(max(length - 1, skip_first), length, dtype=np.int32)
+    return np.asarray([p for p in positions if skip_first <= p < length], dtype=np.int32)
+
+
+@dataclass
+class Prompt:
+    index: int
+    ids: list[int]
+    positions: np.ndarray
+
+
+@dataclass
+class Shard:
+    """Prompts [start, end): those that give rows, and the counts of the others."""
+
+    start: int
+    end: int
+    prompts: list[Prompt] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {TOO_LONG: 0, NO_ROWS: 0, TOKENS: 0})
+
+    @property
+    def rows(self) -> int:
+        return sum(len(p.positions) for p in self.prompts)
+
+
+def plan_shards(
+    tokenized: Iterable[tuple[int, list[int]]],
+    positions: PositionSpec,
+    skip_first: int,
+    max_prompt_len: int | None,
+    row_bytes: int,
+    shard_bytes: int,
+) -> Iterator[Shard]:
+    """Consecutive prompts grouped while their rows fit `shard_bytes` (a prompt with more
+    rows than that is a shard alone). Prompts longer than `max_prompt_len` are skipped and
+    counted."""
+    shard: Shard | None = None
+    for index, ids in tokenized:
+        if shard is None:
+            shard = Shard(index, index)
+        too_long = max_prompt_len is not None and len(ids) > max_prompt_len
+        rows = np.zeros(0, np.int32) if too_long else selected(positions, skip_first, len(ids))
+        if shard.prompts and (shard.rows + len(rows)) * row_bytes > shard_bytes:
+            yield shard
+            shard = Shard(index, index)
+        shard.end = index + 1
+        if too_long:
+            shard.counts[TOO_LONG] += 1
+        elif not len(rows):
+            shard.counts[NO_ROWS] += 1
+        else:
+            shard.prompts.append(Prompt(index, ids, rows))
+            shard.counts[TOKENS] += len(ids)
+    if shard is not None:
+        yield shard

@@ -1,0 +1,193 @@
+"""`llm.extract` and `vinterp extract` on the CPU engine: rows read back through `datasets`
+equal trace saves of the same tokens, a run killed with SIGKILL and run again gives exactly
+the uninterrupted dataset, and bad input is refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+
+from vinterp.store import SpecMismatchError
+
+pytestmark = pytest.mark.engine("tiny")
+
+PROMPTS = [
+    "The capital of France is Paris.",
+    "Once upon a time there was a small model",
+    "Numbers 0 1 2 3 4 5",
+    "def hello(world): return world + 1",
+    "Researchers read the residual stream",
+    "The capital of Italy is Rome.",
+    "features for probes and sparse autoencoders",
+    "The capital of Spain is",
+]
+SITES = ["layers.1.output", "layers.3.output"]
+# Shards of about two prompts of the tiny model (2 sites x 256 floats a row), so the runs
+# below write several.
+SMALL_BUFFER_GB = 1.6e-4
+
+# Runs `vinterp extract` and dies by SIGKILL right after the third shard's file is in place
+# and before the manifest lists it: the worst moment of a commit.
+KILLED_RUN = """
+import os, signal, sys
+from vinterp import cli
+from vinterp.store.directory import ActivationStore
+
+save = ActivationStore.save
+def dying_save(self):
+    if len(self.manifest.shards) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    save(self)
+ActivationStore.save = dying_save
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def extract_args(model: Any, prompts: Path, out: Path) -> list[str]:
+    return [
+        "extract",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--sites",
+        ",".join(SITES),
+        "--skip-first",
+        "1",
+        "--out",
+        str(out),
+        "--buffer-gb",
+        str(SMALL_BUFFER_GB),
+    ]
+
+
+def manifest(out: Path) -> dict[str, Any]:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def columns(out: Path) -> dict[str, torch.Tensor]:
+    return datasets.load_from_disk(str(out)).with_format("torch")[:]
+
+
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
+    engines: Any, tiny_llama: Any, prompts_file: Path, tmp_path: Path
+) -> None:
+    engines.release()  # one engine at a time: the killed run starts its own
+    killed = tmp_path / "killed"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *extract_args(tiny_llama, prompts_file, killed)],
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine dies with it
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    left = manifest(killed)
+    assert not left["complete"] and len(left["shards"]) == 2
+    assert (killed / "data-00002.arrow").exists()  # complete-looking, but not listed
+
+    llm = engines.vllm(tiny_llama)
+    kwargs = {"skip_first": 1, "buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
+    resumed = llm.extract(prompts_file, SITES, out=killed, **kwargs)
+    whole = tmp_path / "whole"
+    uninterrupted = llm.extract(prompts_file, SITES, out=whole, **kwargs)
+    assert len(manifest(whole)["shards"]) >= 4
+    assert manifest(killed)["shards"] == manifest(whole)["shards"]
+    assert len(resumed) == len(uninterrupted) == sum(len(llm.encode(p)) - 1 for p in PROMPTS)
+    got, want = columns(killed), columns(whole)
+    assert set(got) == set(want) == {"prompt", "position", "token", *SITES}
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_rows_equal_trace_saves_of_the_same_tokens(
+    engines: Any, tiny_llama: Any, tmp_path: Path
+) -> None:
+    llm = engines.vllm(tiny_llama)
+    prompts = PROMPTS[:3]
+    llm.extract(prompts, "layers.*.output", out=tmp_path, buffer_gb=SMALL_BUFFER_GB)
+    rows = columns(tmp_path)
+    for index, prompt in enumerate(prompts):
+        with llm.trace(prompt, max_tokens=1, use_tqdm=False):
+            saves = [llm.layers[i].output.save() for i in range(4)]
+        mine = rows["prompt"] == index
+        ids = llm.encode(prompt)
+        assert rows["position"][mine].tolist() == list(range(len(ids)))
+        assert rows["token"][mine].tolist() == ids
+        for i, saved in enumerate(saves):
+            got = rows[f"layers.{i}.output"][mine]
+            assert got.dtype == torch.float32 and got.shape == saved.shape
+            assert ((got - saved).abs().max() / saved.abs().max()).item() <= 1e-6
+
+
+def test_positions_skip_first_dtype_and_too_long_prompts(
+    engines: Any, tiny_llama: Any, tmp_path: Path
+) -> None:
+    llm = engines.vllm(tiny_llama)
+    too_long = "1 2 3 " * 400  # past the tiny model's 512 tokens
+    prompts = [PROMPTS[0], too_long, "The", PROMPTS[2]]
+    lengths = [len(llm.encode(p)) for p in prompts]
+    assert lengths[1] >= 512 and lengths[2] == 1
+
+    last = llm.extract(
+        prompts, "layers.2.output", "last_prompt", out=tmp_path / "last", dtype="float16"
+    )
+    assert last.features["layers.2.output"].feature.dtype == "float16"
+    assert last["prompt"][:] == [0, 2, 3]
+    assert last["position"][:] == [lengths[0] - 1, 0, lengths[3] - 1]
+    totals = manifest(tmp_path / "last")["totals"]
+    assert totals["skipped_too_long"] == 1 and totals["rows"] == 3
+
+    listed = llm.extract(prompts, "layers.2.output", [0, 1, 5], out=tmp_path / "list", skip_first=1)
+    assert lengths[0] > 5 and lengths[3] > 5
+    assert listed["prompt"][:] == [0, 0, 3, 3] and listed["position"][:] == [1, 5, 1, 5]
+    assert manifest(tmp_path / "list")["totals"]["prompts_without_rows"] == 1  # "The"
+
+
+def test_another_spec_in_the_same_folder_is_refused(
+    engines: Any, tiny_llama: Any, tmp_path: Path
+) -> None:
+    llm = engines.vllm(tiny_llama)
+    llm.extract(PROMPTS[:2], "layers.1.output", out=tmp_path, use_tqdm=False)
+    steps = llm.step_stats()["steps"]
+    again = llm.extract(PROMPTS[:2], "layers.1.output", out=tmp_path, use_tqdm=False)
+    assert llm.step_stats()["steps"] == steps and len(again) > 0  # complete: nothing to run
+    with pytest.raises(SpecMismatchError, match=r"(?s)another spec.*sites: \['layers.1.output'\]"):
+        llm.extract(PROMPTS[:2], "layers.2.output", out=tmp_path)
+    with pytest.raises(SpecMismatchError, match="prompts.sha256"):
+        llm.extract(PROMPTS[2:4], "layers.1.output", out=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "sites", "error"),
+    [
+        (PROMPTS, "layers.4.output", "layer index 4 is out of range; this model has layers 0..3"),
+        (PROMPTS, "layers.1.outptu", "cannot be captured"),
+        (PROMPTS, "logits", "cannot be captured"),
+        (["a", "b", ""], "layers.1.output", "prompt 2 of the list of 3 prompts is empty"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(
+    engines: Any, tiny_llama: Any, tmp_path: Path, prompts: list[str], sites: str, error: str
+) -> None:
+    llm = engines.vllm(tiny_llama)
+    steps = llm.step_stats()["steps"]
+    with pytest.raises(ValueError, match=error):
+        llm.extract(prompts, sites, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists() and llm.step_stats()["steps"] == steps
