@@ -27,6 +27,7 @@ from vinterp.api.extract_plan import (
     plan_shards,
 )
 from vinterp.api.prompt_source import PromptSource, prompt_source
+from vinterp.engine.limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.store import (
@@ -71,45 +72,61 @@ def extract(
 
     positions = check_positions(positions, skip_first)
     sites = expand_sites(llm, sites)
-    engine_dtype = engine_dtype_name(llm)
-    dtype = dtype or engine_dtype
+    limits = engine_limits(llm.backend, llm.config)
+    dtype = dtype or limits.dtype
     if dtype not in STORED_DTYPES:
         raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
     if not buffer_gb > 0:
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
     source = prompt_source(prompts, column)
-    hidden = int(llm.config.hidden_size)
-    max_prompt_len = longest_prompt(llm)
-    spec = {
-        "model": model_id(llm.model_path),
-        "model_hash": model_hash(llm.model_path),
-        "backend": llm.backend.name,
-        "engine_dtype": engine_dtype,
-        "max_prompt_len": max_prompt_len,
-        "sites": sites,
-        "positions": positions,
-        "skip_first": skip_first,
-        "dtype": dtype,
-        "hidden_size": hidden,
-        "prompts": {"count": source.count, "sha256": source.sha256},
-        "versions": versions(),
-    }
+    spec = extraction_spec(llm, limits, source, sites, positions, skip_first, dtype)
     columns: Columns = {
         "prompt": ("int64", None),
         "position": ("int32", None),
         "token": ("int32", None),
     }
-    columns |= {site: (COLUMN_DTYPE[dtype], hidden) for site in sites}
-    shard_bytes = int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT
-    step_tokens = engine_step_tokens(llm)
-    if step_tokens is not None:
-        shard_bytes = min(shard_bytes, STEPS_PER_SHARD * step_tokens * row_size(columns))
-    shard_bytes = max(shard_bytes, row_size(columns))
+    columns |= {site: (COLUMN_DTYPE[dtype], spec["hidden_size"]) for site in sites}
     about = {"prompts": source.description, "columns": {k: v[0] for k, v in columns.items()}}
+    shard_bytes = shard_size(limits, row_size(columns), buffer_gb)
     store = ActivationStore.open(out, spec, columns, shard_bytes, about)
     if not store.manifest.complete:
         run(llm, source, store, Capture(sites, positions=positions), use_tqdm)
     return datasets.load_from_disk(str(out))
+
+
+def extraction_spec(
+    llm: Any,
+    limits: EngineLimits,
+    source: PromptSource,
+    sites: list[str],
+    positions: PositionSpec,
+    skip_first: int,
+    dtype: str,
+) -> dict[str, Any]:
+    """What decides the rows: a directory holding another spec is refused."""
+    return {
+        "model": model_id(llm.model_path),
+        "model_hash": model_hash(llm.model_path),
+        "backend": llm.backend.name,
+        "engine_dtype": limits.dtype,
+        "max_prompt_len": limits.max_prompt_len,
+        "sites": sites,
+        "positions": positions,
+        "skip_first": skip_first,
+        "dtype": dtype,
+        "hidden_size": int(llm.config.hidden_size),
+        "prompts": {"count": source.count, "sha256": source.sha256},
+        "versions": versions(),
+    }
+
+
+def shard_size(limits: EngineLimits, row_bytes: int, buffer_gb: float) -> int:
+    """Bytes of rows per shard: a sixth of the buffer, at most STEPS_PER_SHARD engine steps,
+    at least one row."""
+    size = int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT
+    if limits.step_tokens is not None:
+        size = min(size, STEPS_PER_SHARD * limits.step_tokens * row_bytes)
+    return max(size, row_bytes)
 
 
 def run(
@@ -180,8 +197,8 @@ def shard_columns(
     for site, (dtype, width) in columns.items():
         if width is not None:
             # The captured rows end with the selected ones (skip_first drops leading rows).
-            captured = [out.captures[site] for out in outputs]
-            rows = [c[len(c) - n :] for c, n in zip(captured, counts)]
+            site_rows = [out.captures[site] for out in outputs]
+            rows = [c[len(c) - n :] for c, n in zip(site_rows, counts)]
             values[site] = torch.cat(rows).to(getattr(torch, dtype)).numpy()
     return values
 
@@ -206,30 +223,6 @@ def expand_sites(llm: Any, sites: str | list[str]) -> list[str]:
     except UnknownSiteError as exc:
         raise ValueError(f"sites: {exc}") from None
     return sorted(expanded, key=order.__getitem__)
-
-
-def engine_dtype_name(llm: Any) -> str:
-    """The dtype the engine computes in (and captures come in)."""
-    if llm.backend.name == "vllm":
-        dtype = llm.engine.llm_engine.vllm_config.model_config.dtype
-    else:
-        dtype = llm.engine.dtype
-    return str(dtype).removeprefix("torch.")
-
-
-def engine_step_tokens(llm: Any) -> int | None:
-    """The most tokens one engine step computes (None: no such limit)."""
-    if llm.backend.name == "vllm":
-        return int(llm.engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
-    return None
-
-
-def longest_prompt(llm: Any) -> int | None:
-    """The most prompt tokens the engine takes with one token to generate."""
-    if llm.backend.name == "vllm":
-        return int(llm.engine.llm_engine.vllm_config.model_config.max_model_len) - 1
-    limit = getattr(llm.config, "max_position_embeddings", None)
-    return None if limit is None else int(limit) - 1
 
 
 def model_id(model: str | Path) -> str:
