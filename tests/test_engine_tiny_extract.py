@@ -16,6 +16,8 @@ import datasets
 import pytest
 import torch
 
+from vinterp.api import extract as extract_module
+from vinterp.api.extract import engine_settings
 from vinterp.store import SpecMismatchError
 
 pytestmark = pytest.mark.engine("tiny")
@@ -82,7 +84,11 @@ def manifest(out: Path) -> dict[str, Any]:
 
 
 def columns(out: Path) -> dict[str, torch.Tensor]:
-    return datasets.load_from_disk(str(out)).with_format("torch")[:]
+    return columns_of(datasets.load_from_disk(str(out)))
+
+
+def columns_of(dataset: Any) -> dict[str, torch.Tensor]:
+    return dataset.with_format("torch")[:]
 
 
 def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
@@ -102,7 +108,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
     assert not left["complete"] and len(left["shards"]) == 2
     assert (killed / "data-00002.arrow").exists()  # complete-looking, but not listed
 
-    llm = engines.vllm(tiny_llama)
+    llm = engines.vllm(tiny_llama, **engine_settings(SITES))  # the engine `vinterp extract` starts
     kwargs = {"skip_first": 1, "buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
     resumed = llm.extract(prompts_file, SITES, out=killed, **kwargs)
     whole = tmp_path / "whole"
@@ -134,6 +140,22 @@ def test_rows_equal_trace_saves_of_the_same_tokens(
             got = rows[f"layers.{i}.output"][mine]
             assert got.dtype == torch.float32 and got.shape == saved.shape
             assert ((got - saved).abs().max() / saved.abs().max()).item() <= 1e-6
+
+
+def test_rows_equal_the_transformers_backends_with_one_prompt_queued_at_a_time(
+    engines: Any, tiny_llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs come back while later prompts are still being queued (one at a time here),
+    on the vLLM engine and on the transformers reference alike."""
+    monkeypatch.setattr(extract_module, "QUEUED_STEPS", 0)
+    kwargs = {"buffer_gb": 1.0, "use_tqdm": False}  # every prompt in one shard
+    got = columns_of(engines.vllm(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "v", **kwargs))
+    want = columns_of(engines.hf(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "h", **kwargs))
+    assert len(manifest(tmp_path / "v")["shards"]) == 1
+    for name in ("prompt", "position", "token"):
+        assert torch.equal(got[name], want[name]), name
+    for site in SITES:
+        assert float((got[site] - want[site]).norm() / want[site].norm()) <= 1e-4, site
 
 
 def test_positions_skip_first_dtype_and_too_long_prompts(

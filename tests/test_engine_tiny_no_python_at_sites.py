@@ -4,8 +4,10 @@ call no Python at any site.
 The engine runs in the script's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker),
 so the script can replace the site handlers with ones that raise. Steered and captured
 generation must still succeed, run no uncompiled step, and equal the HF reference. The engine
-has capture buffers at the captured sites only: a capture elsewhere (handlers restored) runs
-its steps uncompiled and equals the reference too.
+has capture buffers at the captured sites only, sized for a whole step's tokens
+(`capture_in_graph_rows="step"`, with fewer sequences per step than prompt rows): a capture of
+every position stays compiled; a capture elsewhere (handlers restored) runs its steps
+uncompiled and equals the reference too.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         path, prompts, captured = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-        llm = vinterp.LLM(path, capture_in_graph=captured)
+        # buffers of one step's tokens: the prompt steps' captures (more rows than the
+        # 4 sequences a step runs) stay compiled too
+        llm = vinterp.LLM(
+            path, capture_in_graph=captured, capture_in_graph_rows="step", max_num_seqs=4
+        )
         llm.engine.collective_rpc(forbid)  # the engine runs in this process
         v = torch.randn(256, generator=torch.Generator().manual_seed(3))
         st = vinterp.Steering({"layers.2.output": v, "layers.1.mlp.output": v}, scale=6.0)
@@ -116,3 +122,5 @@ def test_capture_buffers_at_unknown_sites_are_refused_before_the_engine_starts(
         vinterp.LLM(tiny_llama, capture_in_graph="layers.9.output")
     with pytest.raises(TypeError, match="capture_in_graph"):
         vinterp.LLM(tiny_llama, capture_in_graph=3)
+    with pytest.raises(TypeError, match="capture_in_graph_rows"):
+        vinterp.LLM(tiny_llama, capture_in_graph=True, capture_in_graph_rows="all")

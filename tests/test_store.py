@@ -1,6 +1,7 @@
 """The activation dataset on disk (vinterp.store) and the extract plan, without an engine:
 shards readable by `datasets.load_from_disk`, resume after a kill at each step of a commit,
-refusal of another spec, write errors that leave no shard looking complete."""
+refusal of another spec, write errors that leave no shard looking complete, site values read
+back bit for bit in their stored dtype (bfloat16 as its bits in a uint16 column)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,32 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
-from vinterp.api.extract_plan import NO_ROWS, TOO_LONG, check_positions, plan_shards, selected
+from vinterp.api.extract import shard_columns
+from vinterp.api.extract_plan import (
+    NO_ROWS,
+    TOO_LONG,
+    Prompt,
+    check_positions,
+    plan_shards,
+    selected,
+)
 from vinterp.api.prompt_source import prompt_source
+from vinterp.engine.outputs import Output
 from vinterp.store import (
+    COLUMN_DTYPE,
+    STORED_DTYPES,
     ActivationStore,
     PendingShard,
     ShardWriter,
     SpecMismatchError,
     StoreError,
+    column_values,
     files,
+    site_tensor,
 )
+from vinterp.wire.specs import Capture
 
 H = 3
 COLUMNS = {"prompt": ("int64", None), "position": ("int32", None), "site": ("float32", H)}
@@ -170,6 +186,171 @@ def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="column build failed"):
         writer.close()
     assert store.manifest.shards == []
+
+
+# -- site values in their stored dtype -----------------------------------------------------
+
+# Per stored dtype: the signed integer type of its width, and the bit patterns of +-0, the
+# smallest and largest subnormals, +-the largest finite value, +-inf and NaNs of several
+# payloads (signs and quiet/signalling).
+SPECIAL_BITS = {
+    "float32": (
+        torch.int32,
+        [0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000]
+        + [0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC12345],
+    ),
+    "float16": (
+        torch.int16,
+        [0, 0x8000, 1, 0x83FF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7E5A],
+    ),
+    "bfloat16": (
+        torch.int16,
+        [0, 0x8000, 1, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x7FD3],
+    ),
+}
+
+
+def special_values(dtype: str, rows: int, width: int, seed: int = 0) -> torch.Tensor:
+    """(rows, width) values of `dtype`: the special bit patterns, then random bits."""
+    kind, special = SPECIAL_BITS[dtype]
+    nbits = torch.iinfo(kind).bits
+    raw = np.random.default_rng(seed).integers(0, 1 << nbits, rows * width, dtype=np.uint64)
+    raw[: len(special)] = special[: rows * width]
+    signed = torch.from_numpy(raw.astype(f"u{nbits // 8}").view(f"i{nbits // 8}"))
+    return signed.view(getattr(torch, dtype)).reshape(rows, width)
+
+
+def bits(values: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (NaN payloads included)."""
+    return values.contiguous().view(SPECIAL_BITS[str(values.dtype)[6:]][0])
+
+
+def site_store(root: Path, dtype: str, width: int, sites: tuple[str, ...] = ("a", "b")):
+    columns = {"prompt": ("int64", None)} | {s: (COLUMN_DTYPE[dtype], width) for s in sites}
+    spec = {"sites": list(sites), "dtype": dtype, "hidden_size": width}
+    return ActivationStore.open(root, spec, columns, shard_bytes=1000)
+
+
+def site_rows(start: int, values: dict[str, torch.Tensor], dtype: str) -> dict[str, np.ndarray]:
+    count = len(next(iter(values.values())))
+    prompt = np.arange(start, start + count, dtype=np.int64)
+    return {"prompt": prompt} | {site: column_values(v, dtype) for site, v in values.items()}
+
+
+@pytest.mark.parametrize("dtype", STORED_DTYPES)
+def test_site_values_round_trip_bit_for_bit(tmp_path: Path, dtype: str) -> None:
+    width, rows = 16, 64
+    a, b = special_values(dtype, rows, width, 0), special_values(dtype, rows, width, 1)
+    store = site_store(tmp_path, dtype, width)
+    store.commit(0, rows, site_rows(0, {"a": a, "b": b}, dtype), {})
+    store.finish()
+    for site, want in {"a": a, "b": b}.items():
+        got = site_tensor(tmp_path, site)
+        assert got.dtype == getattr(torch, dtype) and got.shape == (rows, width)
+        assert torch.equal(bits(got), bits(want))
+    assert torch.isnan(site_tensor(tmp_path, "a")).any() and torch.isinf(a).any()
+    # The column holds exactly the value's bytes: 2 a value for float16 and bfloat16.
+    ds = datasets.load_from_disk(str(tmp_path))
+    assert ds.features["a"].feature.dtype == COLUMN_DTYPE[dtype]
+    column = ds.data.column("a").combine_chunks().flatten().to_numpy()
+    assert column.dtype == np.dtype(COLUMN_DTYPE[dtype]) and column.itemsize == a.element_size()
+    assert np.array_equal(column.view(f"i{a.element_size()}"), bits(a).numpy().reshape(-1))
+    values_bytes = 2 * rows * width * a.element_size()
+    assert values_bytes <= store.manifest.shards[0].bytes < values_bytes + 4096
+
+
+def test_bfloat16_column_is_the_uint16_bits_of_one_conversion() -> None:
+    wide = torch.tensor(
+        [[0.0, -0.0, 1e-40, -3e-39, 3.3e38, -3.4e38, 1 / 3, 65504.0, 1e-45, 2.5]],
+        dtype=torch.float32,
+    )
+    wide = torch.cat(
+        [wide, torch.tensor([[float("inf"), float("-inf"), float("nan")] * 3 + [7.0]])]
+    )
+    for dtype in ("bfloat16", "float16"):
+        column = column_values(wide, dtype)
+        want = wide.to(getattr(torch, dtype))
+        assert column.dtype == np.dtype(COLUMN_DTYPE[dtype]) and column.shape == wide.shape
+        assert np.array_equal(column.view(np.int16), bits(want).numpy())
+    bf16 = special_values("bfloat16", 3, 4)
+    assert column_values(bf16, "bfloat16").ctypes.data == bf16.data_ptr()  # no copy
+    with pytest.raises(ValueError, match="expected one of"):
+        column_values(wide, "float64")
+
+
+SITE = "layers.1.output"
+
+
+def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
+    """The extract path: captured bfloat16 rows become a shard of the stored bits."""
+    columns = {"prompt": ("int64", None), "position": ("int32", None), "token": ("int32", None)}
+    store = ActivationStore.open(
+        tmp_path,
+        {"sites": [SITE], "dtype": "bfloat16", "hidden_size": 4},
+        columns | {SITE: (COLUMN_DTYPE["bfloat16"], 4)},
+        shard_bytes=1000,
+    )
+    positions = np.array([1, 2], np.int32)
+    prompts = [Prompt(0, [5, 6, 7], positions), Prompt(3, [8, 9], positions[:1])]
+    captured = [special_values("bfloat16", 3, 4, 0), special_values("bfloat16", 2, 4, 1)]
+    rows = {
+        f"c{k}": {SITE: {"positions": list(range(len(c))), "values": c}}
+        for k, c in enumerate(captured)
+    }
+    outputs = [Output(p.ids, [0], "") for p in prompts]
+    values = shard_columns(
+        prompts, outputs, ["c0", "c1"], lambda: rows, Capture([SITE], positions="all_prompt"), store
+    )
+    assert values[SITE].dtype == np.uint16
+    assert values["token"].tolist() == [6, 7, 9] and values["prompt"].tolist() == [0, 0, 3]
+    store.commit(0, 4, values, {})
+    want = torch.cat([captured[0][1:], captured[1][1:]])  # skip_first drops leading rows
+    assert torch.equal(bits(site_tensor(tmp_path, SITE)), bits(want))
+
+
+def test_site_tensor_of_several_shards_is_their_concatenation(tmp_path: Path) -> None:
+    store = site_store(tmp_path, "bfloat16", 8)
+    sizes = [5, 0, 3, 7]  # the second shard has no rows
+    a = [special_values("bfloat16", n, 8, seed) for seed, n in enumerate(sizes)]
+    b = [special_values("bfloat16", n, 8, seed + 10) for seed, n in enumerate(sizes)]
+    for k in range(len(sizes)):
+        store.commit(k, k + 1, site_rows(k, {"a": a[k], "b": b[k]}, "bfloat16"), {})
+    store.finish()
+    want = torch.cat(a)
+    assert torch.equal(bits(site_tensor(tmp_path, "a")), bits(want))
+    assert torch.equal(bits(site_tensor(str(tmp_path), "b")), bits(torch.cat(b)))
+    ds = datasets.load_from_disk(str(tmp_path)).with_format("torch")
+    assert torch.equal(bits(site_tensor(ds, "a")), bits(want))
+    with pytest.raises(ValueError, match="in stored order.*pass the directory"):
+        site_tensor(ds.select([0, 2]), "a")
+    with pytest.raises(ValueError, match="in stored order"):
+        site_tensor(ds.shuffle(seed=0, keep_in_memory=True), "a")
+
+
+def test_site_tensor_of_one_shard_maps_the_file_copy_on_write(tmp_path: Path) -> None:
+    store = site_store(tmp_path, "float16", 4)
+    values = special_values("float16", 6, 4)
+    store.commit(0, 1, site_rows(0, {"a": values, "b": values}, "float16"), {})
+    got = site_tensor(tmp_path, "a")
+    assert torch.equal(bits(got), bits(values))
+    got.zero_()  # a private page: the file keeps its values
+    assert torch.equal(bits(site_tensor(tmp_path, "a")), bits(values))
+
+
+def test_site_tensor_of_an_empty_dataset_has_no_rows(tmp_path: Path) -> None:
+    site_store(tmp_path, "bfloat16", 4)
+    got = site_tensor(tmp_path, "a")
+    assert got.shape == (0, 4) and got.dtype == torch.bfloat16
+
+
+def test_site_tensor_of_an_unknown_site_names_the_sites(tmp_path: Path) -> None:
+    site_store(tmp_path, "float32", 4, ("layers.1.output", "layers.2.output"))
+    with pytest.raises(KeyError, match="no site 'layers.3.output'.*layers.1.output, layers.2"):
+        site_tensor(tmp_path, "layers.3.output")
+    with pytest.raises(StoreError, match="cannot read"):
+        site_tensor(tmp_path / "missing", "layers.1.output")
+    with pytest.raises(TypeError, match="expected a dataset directory"):
+        site_tensor(42, "layers.1.output")
 
 
 # -- the extract plan ----------------------------------------------------------------------

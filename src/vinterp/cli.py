@@ -6,8 +6,12 @@ import argparse
 import os
 from pathlib import Path
 
+from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
 from vinterp.bench.workloads import WORKLOADS
+from vinterp.models.tiny import SHAPES
+
+SHAPE_NAMES = tuple(SHAPES)
 
 PEER_KEYS = tuple(peer.module for peer in PEERS)
 # `vinterp bench` sizes (prompts, tokens, invokes, repeats); --quick for CI-sized runs.
@@ -46,22 +50,32 @@ def _bench(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    import vinterp
-    from vinterp.bench import harness, report
+    from vinterp.bench import extraction, harness, report
     from vinterp.bench import workloads as engine_workloads
     from vinterp.bench.peers import suite
 
     if args.setup_peers:
-        _setup_peers(args.peers)
+        _setup_peers(list(PEER_KEYS) if args.peers is None else args.peers)
         return
     if not args.verbose:
         _quiet_logs()
-    model = args.model or vinterp.models.bundled()
+    model, load_format = _bench_model(args.model, args.load_format)
+    peer_keys = args.peers
+    if peer_keys is None:  # the peers load weights: none for a shape without them
+        peer_keys = [] if load_format == "dummy" else list(PEER_KEYS)
+    engine_kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if load_format:
+        engine_kwargs["load_format"] = load_format
+    if args.tensor_parallel_size:
+        engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     dtype = engine_workloads.resolve_dtype(model, args.dtype)
     quick = QUICK if args.quick else FULL
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in quick.items()}
-    workloads = list(engine_workloads.WORKLOADS) if args.workloads is None else args.workloads
-    bar = tqdm(total=len(workloads) + len(args.peers) + bool(args.peers), desc="bench")
+    workloads = args.workloads
+    if workloads is None:  # a shape without weights: the rows that take load_format
+        dummy = load_format == "dummy"
+        workloads = list(engine_workloads.EXTRACTION if dummy else engine_workloads.WORKLOADS)
+    bar = tqdm(total=len(workloads) + len(peer_keys) + bool(peer_keys), desc="bench")
 
     def progress(label: str) -> None:
         bar.set_postfix_str(label)
@@ -78,12 +92,23 @@ def _bench(args: argparse.Namespace) -> None:
         progress=progress,
         capture_in_graph=CAPTURE_ROUTES[args.capture_in_graph],
         together=args.engines == "together",
-        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+        **engine_kwargs,
+    )
+    rows += extraction.run(
+        model,
+        prompts=size["prompts"],
+        prompt_tokens=args.prompt_tokens,
+        repeats=size["repeats"],
+        dtype=dtype,
+        selected=set(workloads),
+        extract_dir=args.extract_dir,
+        progress=progress,
+        **engine_kwargs,
     )
     peer_rows = []
-    if args.peers:
+    if peer_keys:
         sizes = suite.QUICK if args.quick else suite.Sizes()
-        peers = [peer for peer in PEERS if peer.module in args.peers]
+        peers = [peer for peer in PEERS if peer.module in peer_keys]
         logs = Path(args.out) / "peer-logs" if args.out else None
         peer_rows = suite.run(model, sizes, size["repeats"], peers, progress, logs)
     bar.close()
@@ -95,6 +120,19 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"rows written to {args.json}")
     if args.out:
         print("written: " + ", ".join(str(p) for p in report.write(result, args.out)))
+
+
+def _bench_model(name: str | None, load_format: str | None) -> tuple[str | Path, str | None]:
+    """The checkpoint and load format of `vinterp bench --model`: a shape of
+    vinterp.models.SHAPES (config and tokenizer only, random weights: load_format "dummy"),
+    a checkpoint, or the bundled model."""
+    import vinterp
+
+    if name in vinterp.models.SHAPES:
+        if load_format not in (None, "dummy"):
+            raise SystemExit(f"--model {name} has no weights: it runs with --load-format dummy")
+        return vinterp.models.shape_only(**vinterp.models.SHAPES[name]), "dummy"
+    return name or vinterp.models.bundled(), load_format
 
 
 def _setup_peers(names: list[str]) -> None:
@@ -130,8 +168,13 @@ def _extract(args: argparse.Namespace) -> None:
     if not args.verbose:
         _quiet_logs()
     import vinterp
+    from vinterp.api.extract import engine_settings
 
-    with vinterp.LLM(args.model) as llm:
+    engine = engine_settings(args.sites, args.positions)
+    for name, keyword in EXTRACT_ENGINE_ARGS.items():
+        if getattr(args, name) is not None:
+            engine[keyword] = getattr(args, name)
+    with vinterp.LLM(args.model, **engine) as llm:
         llm.extract(
             args.prompts,
             args.sites,
@@ -142,6 +185,14 @@ def _extract(args: argparse.Namespace) -> None:
             column=args.column,
             buffer_gb=args.buffer_gb,
         )
+
+
+# `vinterp extract` options that go to the engine (argparse name -> vinterp.LLM keyword)
+EXTRACT_ENGINE_ARGS = {
+    "max_model_len": "max_model_len",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "engine_dtype": "dtype",
+}
 
 
 def _positions(text: str) -> str | list[int]:
@@ -180,12 +231,43 @@ def main(argv: list[str] | None = None) -> None:
     bench = commands.add_parser(
         "bench", help="benchmarks against plain vLLM (same engine) and against peer tools"
     )
-    bench.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
+    bench.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint (default: bundled), or a model shape without weights (random "
+        f"weights, --load-format dummy): {', '.join(SHAPE_NAMES)}",
+    )
     bench.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     bench.add_argument("--invokes", type=int, default=None, help=f"default {FULL['invokes']}")
     bench.add_argument("--prompts", type=int, default=None, help=f"default {FULL['prompts']}")
     bench.add_argument("--max-tokens", type=int, default=None, help=f"default {FULL['max_tokens']}")
     bench.add_argument("--repeats", type=int, default=None, help=f"default {FULL['repeats']}")
+    bench.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=PROMPT_TOKENS,
+        help=f"tokens per prompt of the extract_* rows (default {PROMPT_TOKENS})",
+    )
+    bench.add_argument(
+        "--extract-dir",
+        default=None,
+        metavar="DIR",
+        help="where the extract_* rows write (a fresh folder per run, deleted after it; "
+        "default a temporary folder)",
+    )
+    bench.add_argument(
+        "--load-format",
+        default=None,
+        help="vLLM's load_format for every engine, plain and vinterp ('dummy': random "
+        "weights; the default for a model shape)",
+    )
+    bench.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="GPUs per engine for every engine, plain and vinterp (e.g. 4 for "
+        "llama-3-70b-shape); the tp_* rows stay at 2",
+    )
     bench.add_argument(
         "--dtype", default=None, help="engine dtype for vLLM and vinterp (default: checkpoint's)"
     )
@@ -198,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument(
         "--peers",
         type=_peer_list,
-        default=list(PEER_KEYS),
-        help=f"comma list of peer tools (default all, 'none' for none): {', '.join(PEER_KEYS)}",
+        default=None,
+        help="comma list of peer tools (default all; none for a model shape; 'none' for none): "
+        f"{', '.join(PEER_KEYS)}",
     )
     bench.add_argument(
         "--setup-peers",
@@ -277,13 +360,22 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype",
         choices=("float32", "float16", "bfloat16"),
         default=None,
-        help="stored values (default: the model's; bfloat16 is stored as float32)",
+        help="stored values (default: the engine's; bfloat16 keeps its 2-byte bits)",
     )
     extract.add_argument(
         "--skip-first", type=int, default=0, help="drop the first K positions (e.g. BOS)"
     )
     extract.add_argument(
         "--buffer-gb", type=float, default=2.0, help="host memory for shards in flight"
+    )
+    extract.add_argument(
+        "--max-model-len", type=int, default=None, help="the engine's context (vLLM's option)"
+    )
+    extract.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="GPUs per engine (vLLM's option)"
+    )
+    extract.add_argument(
+        "--engine-dtype", default=None, help="the engine's dtype (default: the checkpoint's)"
     )
     extract.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     extract.set_defaults(run=_extract)

@@ -1,6 +1,11 @@
 """Tensor and pipeline parallelism on two GPUs: the same results at TP=2, PP=2 and TP=1 (vLLM's
 defaults: compiled, CUDA graphs; bf16). How to run: tests/gpu/conftest.py.
 
+Plain vLLM runs the same prompts at TP=1, TP=2 and PP=2 first: its own parting from TP=1 is
+the yardstick for vinterp's in bf16, and vinterp's unsteered tokens must equal plain vLLM's in
+the same layout. With VINTERP_GPU_DTYPE=float32 the saves and logits must equal TP=1's to
+1e-4. The TP=2 and PP=2 layouts run again on vLLM's Ray executor.
+
 One engine at a time, each running the same workload: greedy tokens of the 8 prompts with and
 without a middle-layer steering; every layer's output and the logits saved by one trace;
 `llm.lm_head.weight[t]` for a token in the vocabulary's upper half (held by TP rank 1); a
@@ -26,12 +31,19 @@ pytestmark = [
 ]
 
 MODEL_ENV, DEFAULT_MODEL = "VINTERP_GPU_PARALLEL_MODEL", "llama1b"
-LAYOUTS: dict[str, dict[str, int]] = {
+RAY = {"distributed_executor_backend": "ray"}
+LAYOUTS: dict[str, dict[str, Any]] = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
+    "tp2_ray": {"tensor_parallel_size": 2, **RAY},
+    "pp2_ray": {"pipeline_parallel_size": 2, **RAY},
 }
-PARALLEL = ("tp2", "pp2")  # each against tp1
+PARALLEL = ("tp2", "pp2", "tp2_ray", "pp2_ray")  # each against tp1
+# Plain vLLM in the same layouts: how far vLLM's own TP=2 and PP=2 part from its TP=1, the
+# yardstick for vinterp's (and vinterp's unsteered tokens against plain vLLM's, layout by layout)
+PLAIN = ("tp1", "tp2", "pp2")
+MAX_TOKENS = 16
 
 
 def checkpoint_row(path: Path, token: int) -> torch.Tensor:
@@ -65,7 +77,7 @@ def workload(llm: Any, gpu: Any, norm: float | None) -> dict[str, Any]:
     steering = vinterp.Steering({f"layers.{mid}.output": unit / unit.norm() * norm}, scale=4.0)
 
     def tokens(**kwargs: Any) -> list[list[int]]:
-        return [list(o.token_ids) for o in llm.generate(prompts, max_tokens=16, **kwargs)]
+        return [list(o.token_ids) for o in llm.generate(prompts, max_tokens=MAX_TOKENS, **kwargs)]
 
     with llm.trace(max_tokens=1) as tr:
         with tr.invoke(prompts[0]):
@@ -89,6 +101,41 @@ def workload(llm: Any, gpu: Any, norm: float | None) -> dict[str, Any]:
         "unpatched_logits": cpu(unpatched),
         "tokens": {"unsteered": tokens(), "steered": tokens(steering=steering)},
     }
+
+
+def plain_run(model: Path, gpu: Any, **layout: Any) -> dict[str, Any]:
+    """Plain vLLM's greedy tokens of the prompts and each token's logprob."""
+    import vllm
+
+    from vinterp.bench.workloads import plain_vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+    with plain_vllm(model, gpu.DTYPE, **layout) as llm:
+        outs = [o.outputs[0] for o in llm.generate(gpu.PROMPTS, params, use_tqdm=False)]
+    return {
+        "tokens": [list(o.token_ids) for o in outs],
+        "logprobs": [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs)] for o in outs],
+    }
+
+
+def first_parting(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.fixture(scope="module")
+def plain(gpu, report):
+    """plain(layout): plain vLLM's tokens and logprobs in that layout (run once per module)."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def get(layout: str) -> dict[str, Any]:
+        if layout not in done:
+            run = lambda: plain_run(report.model, gpu, **LAYOUTS[layout])  # noqa: E731
+            done[layout] = report.kept(f"plain_{layout}", run)
+            report.data.setdefault("plain_tokens", {})[layout] = done[layout]["tokens"]
+        return done[layout]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +186,15 @@ def test_cross_stage_patch_changes_logits(results, report, layout) -> None:
 
 @pytest.mark.parametrize("layout", PARALLEL)
 @pytest.mark.parametrize("kind", ("unsteered", "steered"))
-def test_tokens_equal_one_worker(results, report, gpu, layout, kind) -> None:
+def test_tokens_equal_one_worker(results, plain, report, gpu, layout, kind) -> None:
+    """As many prompts as plain vLLM keeps equal between this layout and TP=1 (its own
+    parting, the yardstick), and at least MIN_EQUAL in float32."""
     k = gpu.equal(results(layout)["tokens"][kind], results("tp1")["tokens"][kind])
-    assert report.check(f"tokens {kind}: {layout} == tp1", f"{k}/{gpu.N}", k >= gpu.MIN_EQUAL)
+    base = layout.removesuffix("_ray")
+    yardstick = gpu.equal(plain(base)["tokens"], plain("tp1")["tokens"])
+    need = gpu.MIN_EQUAL if gpu.DTYPE == "float32" else min(gpu.MIN_EQUAL, yardstick)
+    numbers = f"{k}/{gpu.N} (plain vLLM: {yardstick}/{gpu.N})"
+    assert report.check(f"tokens {kind}: {layout} == tp1", numbers, k >= need)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)
@@ -159,3 +212,30 @@ def test_layer_outputs_equal_one_worker(results, report, gpu, layout) -> None:
 def test_logits_equal_one_worker(results, report, gpu, layout, name) -> None:
     err = gpu.rel_err(results(layout)[name], results("tp1")[name])
     assert report.check(f"{layout} {name}: rel err", f"{err:.2e}", err < gpu.REL_TOL)
+
+
+@pytest.mark.parametrize("layout", ("tp2", "pp2"))
+def test_plain_vllms_own_parting_from_one_worker(plain, report, gpu, layout) -> None:
+    """The yardstick, recorded: plain vLLM's greedy tokens and their logprobs in `layout`
+    against its TP=1 (over the tokens both runs share)."""
+    got, want = plain(layout), plain("tp1")
+    equal = gpu.equal(got["tokens"], want["tokens"])
+    shared = [first_parting(a, b) for a, b in zip(got["tokens"], want["tokens"])]
+    diffs = [
+        abs(x - y)
+        for n, a, b in zip(shared, got["logprobs"], want["logprobs"])
+        for x, y in zip(a[:n], b[:n])
+    ]
+    numbers = f"{equal}/{gpu.N} equal, logprob max diff {max(diffs, default=0.0):.2e}"
+    report.check(f"plain vLLM {layout} vs tp1 (yardstick)", numbers, True)
+
+
+@pytest.mark.parametrize("layout", ("tp1", "tp2", "pp2", "tp2_ray", "pp2_ray"))
+def test_unsteered_tokens_equal_plain_vllm_in_the_same_layout(
+    results, plain, report, gpu, layout
+) -> None:
+    """vinterp adds no error of its own: its unsteered tokens equal plain vLLM's in the same
+    layout (Ray layouts against plain vLLM's multiprocessing ones: the same computation)."""
+    mine = results(layout)["tokens"]["unsteered"]
+    k = gpu.equal(mine, plain(layout.removesuffix("_ray"))["tokens"])
+    assert report.check(f"{layout} unsteered == plain vLLM {layout}", f"{k}/{gpu.N}", k == gpu.N)

@@ -6,8 +6,12 @@ run killed at any moment continues where it stopped when run again with the same
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import time
-from collections.abc import Iterator
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -27,29 +31,31 @@ from vinterp.api.extract_plan import (
     plan_shards,
 )
 from vinterp.api.prompt_source import PromptSource, prompt_source
+from vinterp.api.requests import captured_tensors
+from vinterp.engine.backend import Captured, StreamRequest
 from vinterp.engine.limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
+from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.store import (
+    COLUMN_DTYPE,
+    STORED_DTYPES,
     ActivationStore,
     Columns,
     PendingShard,
     ShardWriter,
+    column_values,
     content_hash,
     row_size,
 )
-from vinterp.wire.specs import Capture
+from vinterp.wire.specs import Capture, RequestSpecs
 
-STORED_DTYPES = ("float32", "float16", "bfloat16")
-# Arrow has no bfloat16: such values are stored as float32, which holds them exactly.
-COLUMN_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
-# Shard sizes of host memory in use at once: a shard's captures cost about three while they
-# come back from the engine (measured on the CPU: 471 MB of peak growth for 156 MB
-# captured), one waits in the queue, one is being written.
+# Shard sizes of host memory in use at once: a shard's captures while they are taken and read
+# (the workers' copy and the front end's), its columns, one shard waiting in the queue, one
+# being written, and the rows of the prompts queued in the engine.
 SHARDS_IN_FLIGHT = 6
-# A shard holds at most the rows of this many full engine steps: larger generate calls keep
-# the engine no busier, they only delay the first write and lengthen the last one (on the
-# CPU engine, 256 prompts in one shard took 1.20x plain prefill, in shards of 4 steps 1.15x).
+# A shard holds at most the rows of this many full engine steps, so that writing it overlaps
+# the engine's next steps from early on and the last write after the engine is done is short.
 STEPS_PER_SHARD = 4
 TOKENIZE_CHUNK = 1024
 
@@ -90,8 +96,19 @@ def extract(
     shard_bytes = shard_size(limits, row_size(columns), buffer_gb)
     store = ActivationStore.open(out, spec, columns, shard_bytes, about)
     if not store.manifest.complete:
-        run(llm, source, store, Capture(sites, positions=positions), use_tqdm)
+        queued = QUEUED_STEPS * (limits.step_tokens or 1)
+        run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
     return datasets.load_from_disk(str(out))
+
+
+def engine_settings(
+    sites: str | list[str], positions: PositionSpec = "all_prompt"
+) -> dict[str, Any]:
+    """`vinterp.LLM` keywords for an engine that extracts `sites` at `positions`: capture
+    buffers at those sites, so capturing steps stay compiled (`vinterp extract` starts its
+    engine this way); one step's tokens each, or one row per sequence for last_prompt."""
+    rows = None if positions == "last_prompt" else "step"
+    return {"capture_in_graph": sites, "capture_in_graph_rows": rows}
 
 
 def extraction_spec(
@@ -114,6 +131,7 @@ def extraction_spec(
         "positions": positions,
         "skip_first": skip_first,
         "dtype": dtype,
+        "column_dtype": COLUMN_DTYPE[dtype],  # how the values are stored (bfloat16: its bits)
         "hidden_size": int(llm.config.hidden_size),
         "prompts": {"count": source.count, "sha256": source.sha256},
         "versions": versions(),
@@ -129,11 +147,34 @@ def shard_size(limits: EngineLimits, row_bytes: int, buffer_gb: float) -> int:
     return max(size, row_bytes)
 
 
+# Engine steps' worth of prompt tokens kept queued in the engine while extracting: enough that
+# it never waits for the next prompts, few enough that captures awaiting their take stay small.
+QUEUED_STEPS = 4
+PREFILL_ONLY = sampling_kwargs({"max_tokens": 1})
+
+
+@dataclass
+class ShardRun:
+    """A shard whose prompts are in the engine: their capture ids and outputs so far."""
+
+    shard: Shard
+    capture_ids: list[str]
+    outputs: list[Output | None]
+    waiting: int
+
+
 def run(
-    llm: Any, source: PromptSource, store: ActivationStore, capture: Capture, use_tqdm: bool
+    llm: Any,
+    source: PromptSource,
+    store: ActivationStore,
+    capture: Capture,
+    queued_tokens: int,
+    use_tqdm: bool,
 ) -> None:
     """Shards from the first prompt not yet stored to the last; then the manifest is marked
-    complete and a summary line printed."""
+    complete and a summary line printed. Every prompt goes through one stream of requests
+    (`backend.stream`): a shard's captures are taken as soon as its last prompt is done and
+    turned into columns on the writer thread while the engine goes on."""
     manifest = store.manifest
     spec = manifest.spec
     start = manifest.next_prompt
@@ -145,6 +186,20 @@ def run(
         row_size(store.columns),
         manifest.shard_bytes,
     )
+    backend = llm.backend
+    started: deque[ShardRun] = deque()  # in input order
+    owner: dict[int, tuple[ShardRun, int]] = {}  # stream index -> (shard, prompt in shard)
+    counter = itertools.count()
+
+    def requests() -> Iterator[StreamRequest]:
+        for shard in shards:
+            ids = [uuid.uuid4().hex for _ in shard.prompts]
+            entry = ShardRun(shard, ids, [None] * len(ids), len(ids))
+            started.append(entry)
+            for k, (prompt, capture_id) in enumerate(zip(shard.prompts, ids)):
+                owner[next(counter)] = (entry, k)
+                yield prompt.ids, PREFILL_ONLY, RequestSpecs(capture=capture, capture_id=capture_id)
+
     began, tokens = time.perf_counter(), 0
     with (
         tqdm(
@@ -152,25 +207,39 @@ def run(
         ) as bar,
         ShardWriter(store) as writer,
     ):
-        for shard in shards:
-            writer.put(captured(llm, shard, capture, store.columns))
-            tokens += shard.counts[TOKENS]
-            rate = tokens / (time.perf_counter() - began)
-            bar.set_postfix_str(f"{rate:,.0f} tok/s, {store.bytes_written / 1e9:.2f} GB written")
-            bar.update(shard.end - shard.start)
+
+        def write_finished() -> None:
+            nonlocal tokens
+            while started and started[0].waiting == 0:
+                entry = started.popleft()
+                writer.put(pending_shard(backend, entry, capture, store))
+                tokens += entry.shard.counts[TOKENS]
+                rate = tokens / (time.perf_counter() - began)
+                written = store.bytes_written / 1e9
+                bar.set_postfix_str(f"{rate:,.0f} tok/s, {written:.2f} GB written")
+                bar.update(entry.shard.end - entry.shard.start)
+
+        for index, output in backend.stream(requests(), queued_tokens):
+            entry, k = owner.pop(index)
+            entry.outputs[k] = output
+            entry.waiting -= 1
+            write_finished()
+        write_finished()  # shards without prompts at the end
     store.finish()
     if use_tqdm:
         print(summary(store, time.perf_counter() - began, tokens))
 
 
-def captured(llm: Any, shard: Shard, capture: Capture, columns: Columns) -> PendingShard:
-    """Run a shard's prompts; its columns are built on the writer thread (no reference to
-    the captured tensors stays here, so they are freed once written)."""
-    outputs = []
-    if shard.prompts:
-        ids = [p.ids for p in shard.prompts]
-        outputs = llm.generate(ids, capture=capture, max_tokens=1, use_tqdm=False)
-    build = partial(shard_columns, shard.prompts, outputs, columns)
+def pending_shard(
+    backend: Any, entry: ShardRun, capture: Capture, store: ActivationStore
+) -> PendingShard:
+    """A finished shard for the writer: its captures are taken from the workers now and read
+    on the writer thread (no reference to the captured tensors stays here)."""
+    taken = backend.take_captures_later(entry.capture_ids) if entry.capture_ids else dict
+    shard = entry.shard
+    build = partial(
+        shard_columns, shard.prompts, entry.outputs, entry.capture_ids, taken, capture, store
+    )
     return PendingShard(shard.start, shard.end, build, shard.counts)
 
 
@@ -183,23 +252,37 @@ def tokenize(llm: Any, source: PromptSource, start: int) -> Iterator[tuple[int, 
 
 
 def shard_columns(
-    prompts: list[Prompt], outputs: list[Output], columns: Columns
+    prompts: list[Prompt],
+    outputs: list[Output | None],
+    capture_ids: list[str],
+    taken: Callable[[], Captured],
+    capture: Capture,
+    store: ActivationStore,
 ) -> dict[str, np.ndarray]:
-    """A shard's rows as column arrays; runs on the writer thread."""
+    """A shard's rows as column arrays; runs on the writer thread. A prompt missing any of
+    its rows is an InterventionError (`captured_tensors`), never a short shard."""
+    columns = store.columns
     if not prompts:
         return {n: np.zeros((0, w) if w else 0, d) for n, (d, w) in columns.items()}
+    rows = taken()
     counts = [len(p.positions) for p in prompts]
     values = {
         "prompt": np.repeat(np.asarray([p.index for p in prompts], np.int64), counts),
         "position": np.concatenate([p.positions for p in prompts]),
         "token": np.concatenate([np.asarray(p.ids, np.int32)[p.positions] for p in prompts]),
     }
-    for site, (dtype, width) in columns.items():
-        if width is not None:
-            # The captured rows end with the selected ones (skip_first drops leading rows).
-            site_rows = [out.captures[site] for out in outputs]
-            rows = [c[len(c) - n :] for c, n in zip(site_rows, counts)]
-            values[site] = torch.cat(rows).to(getattr(torch, dtype)).numpy()
+    sites = [name for name, (_, width) in columns.items() if width is not None]
+    per_prompt = []
+    for prompt, output, capture_id, n in zip(prompts, outputs, capture_ids, counts):
+        assert output is not None
+        tensors, _ = captured_tensors(
+            rows.get(capture_id, {}), len(prompt.ids), len(output.token_ids), capture, sites
+        )
+        # The captured rows end with the selected ones (skip_first drops leading rows).
+        per_prompt.append({site: t[len(t) - n :] for site, t in tensors.items()})
+    stored = store.manifest.spec["dtype"]
+    for site in sites:
+        values[site] = column_values(torch.cat([p[site] for p in per_prompt]), stored)
     return values
 
 

@@ -87,14 +87,16 @@ class LLM(LocalModel):
     whose modules are named differently from the supported families.
 
     vLLM backend: `capture_in_graph=True` captures inside the compiled model, so capturing
-    steps keep vLLM's CUDA graphs (steps with more captured rows than `max_num_seqs` still
-    leave them); it adds a gather per site to every step, captured or not. Naming the sites
-    (`capture_in_graph="layers.*.output"`, or a list) limits that price to them; captures of
-    other sites leave the graphs for their steps. `check_applied=True` (or the environment
-    variable VINTERP_CHECK_APPLIED=1) counts on the device what the site ops applied and
-    raises `InterventionError` when a step applied less than it asked for; it waits for every
-    step, so it is for tests and debugging. Other keyword arguments are vLLM's engine
-    arguments.
+    steps keep vLLM's CUDA graphs (steps with more captured rows than the buffers hold,
+    `max_num_seqs` of them, still leave them); it adds a gather per site to every step,
+    captured or not. Naming the sites (`capture_in_graph="layers.*.output"`, or a list)
+    limits that price to them; captures of other sites leave the graphs for their steps.
+    `capture_in_graph_rows="step"` sizes the buffers for every token of a step (captures of
+    all prompt positions, as `extract` makes, stay compiled), or give a number of rows.
+    `check_applied=True` (or the environment variable VINTERP_CHECK_APPLIED=1) counts on the
+    device what the site ops applied and raises `InterventionError` when a step applied less
+    than it asked for; it waits for every step, so it is for tests and debugging. Other
+    keyword arguments are vLLM's engine arguments.
     """
 
     def __init__(
@@ -110,7 +112,8 @@ class LLM(LocalModel):
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
-            for graph_setting in ("capture_in_graph", "check_applied"):  # no graphs to follow
+            # no graphs to follow
+            for graph_setting in ("capture_in_graph", "capture_in_graph_rows", "check_applied"):
                 engine_kwargs.pop(graph_setting, None)
             from vinterp.engine.hf_engine import HFEngine
 

@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ TARGETS: dict[str, dict[str, float]] = {
         "trace": 1.3,
         "pp_save_layers": 1.3,
         "pp_patch": 1.5,
+        "extract_layers_all": 1.15,
+        "extract_layers_last": 1.1,
     },
     "cpu": {  # issue 16's targets for this project's 2-core machine
         "idle": 1.02,
@@ -52,13 +54,16 @@ TARGETS: dict[str, dict[str, float]] = {
         "trace": 1.3,
         "pp_save_layers": 1.3,
         "pp_patch": 1.5,
+        "extract_layers_all": 1.3,
+        "extract_layers_last": 1.1,
     },
 }
 
 
 @dataclass
 class Row:
-    """One workload against its baseline; `tokens` (generated in one run) gives tokens/s."""
+    """One workload against its baseline; `tokens` (processed in one run) gives tokens/s;
+    `extras`: further numbers of the row by name (e.g. GB written), reported with it."""
 
     name: str
     baseline: Timing
@@ -66,6 +71,7 @@ class Row:
     target: float
     key: str = ""
     tokens: int = 0
+    extras: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -102,6 +108,7 @@ class Row:
             "tokens_per_s": self.tokens_per_s,
             "target": None if math.isinf(self.target) else self.target,
             "verdict": self.verdict,
+            **({"extras": self.extras} if self.extras else {}),
         }
 
 
@@ -131,13 +138,28 @@ def timed(fn: Callable[[], object], repeats: int) -> Timing:
     return measure(fn, repeats)[0]
 
 
-def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+def timed_interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    cleanup: dict[str, Callable[[], object]] | None = None,
+    warm: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, Timing]:
     """Wall times of each workload over `repeats` rounds that run every workload once (after
     one warm-up each): drift of the machine over the run reaches every workload alike, where
     blocks of runs per workload would turn it into differences between them. Each run starts
-    after a full garbage collection, so none pays for the garbage of the one before."""
-    for fn in fns.values():
-        fn()
+    after a full garbage collection, so none pays for the garbage of the one before.
+    `cleanup[key]`, when given, runs after each run of `key` (the warm-up too), untimed;
+    `warm[key]`, when given, is the warm-up instead of a full run (a smaller one, for
+    workloads of minutes)."""
+    cleanup, warm = cleanup or {}, warm or {}
+
+    def after(key: str) -> None:
+        if key in cleanup:
+            cleanup[key]()
+
+    for key, fn in fns.items():
+        warm.get(key, fn)()
+        after(key)
     times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
@@ -145,6 +167,7 @@ def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dic
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
+            after(key)
     return {key: Timing(tuple(runs)) for key, runs in times.items()}
 
 

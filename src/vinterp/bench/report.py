@@ -68,6 +68,23 @@ def _percent(value: float) -> str:
     return f"±{100 * value / 2:.0f}%"
 
 
+# How a row's extras read in the table, by name (None: in bench.json only, the name says it)
+EXTRAS: dict[str, str | None] = {
+    "gb_written": "{:.3g} GB written",
+    "gb_per_s": "{:.3g} GB/s",
+    "gb_collected": "{:.3g} GB collected",
+    "hf_batch": None,
+    "vinterp_throughput_x_hf": "vinterp's throughput {:.2f}x HF's",
+}
+
+
+def _extras(row: Row) -> str:
+    """A row's extras, after its name: "; 1.23 GB written, 0.5 GB/s"."""
+    forms = {k: EXTRAS.get(k, k + " {:.3g}") for k in row.extras}
+    parts = [form.format(row.extras[k]) for k, form in forms.items() if form is not None]
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def markdown(report: Report) -> str:
     """Both tables with the machine and the command; spread is half of (max - min) / median
     over the repeats, the interval the ratio's bootstrap interval over the rounds."""
@@ -90,7 +107,7 @@ def markdown(report: Report) -> str:
             goal = "" if math.isinf(row.target) else f"<= {row.target:.2f}x"
             low, high = row.interval
             lines.append(
-                f"| {_cell(row.name)} | {_seconds(row.baseline.median)}"
+                f"| {_cell(row.name + _extras(row))} | {_seconds(row.baseline.median)}"
                 f" | {_seconds(row.measured.median)}"
                 f" | {_percent(row.measured.spread)} | {tps} | {row.ratio:.2f}x"
                 f" | {low:.2f}-{high:.2f}x | {goal} | {row.verdict} |"

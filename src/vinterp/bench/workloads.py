@@ -37,7 +37,13 @@ TENSOR_PARALLEL = {
 VINTERP_KEYS = ("idle", "steer", "capture_one", "capture_layers_last", "capture_layers_all")
 # Rows of one-worker engines, and all row keys `vinterp bench --workloads` selects from
 ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
-WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL)
+# Extraction rows (timed by bench/extraction.py, on engines of their own): layers at every
+# prompt position, every layer at the last prompt token, and HF transformers' hooks doing the same
+EXTRACT_LAYERS_ALL = "extract_layers_all"
+EXTRACT_LAYERS_LAST = "extract_layers_last"
+EXTRACT_HF = "extract_hf_hooks"
+EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_HF)
+WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL, *EXTRACTION)
 # Share of a GPU's memory for the engines the bench keeps alive at once (split equally)
 SHARED_GPU_MEMORY = 0.8
 
@@ -379,7 +385,7 @@ def tensor_parallel_rows(
 ) -> list[Row]:
     """The selected `TENSOR_PARALLEL` rows: vinterp at TP=2 against plain vLLM at TP=2, one
     engine at a time."""
-    tp = {"tensor_parallel_size": 2, **engine_kwargs}
+    tp = {**engine_kwargs, "tensor_parallel_size": 2}
     chosen = {TENSOR_PARALLEL[key] for key in selected & set(TENSOR_PARALLEL)}
     plain = f"plain vLLM ({len(texts)}x{max_tokens}) TP=2"
     engines = [

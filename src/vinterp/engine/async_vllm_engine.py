@@ -29,6 +29,7 @@ from vinterp.engine.vllm_engine import (
     unapplied_error,
     vllm_prompt,
 )
+from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
@@ -122,6 +123,7 @@ class AsyncVLLMEngine:
         self._prefix_caching = bool(self.llm.vllm_config.cache_config.enable_prefix_caching)
         self._global_steering = False
         self._named: set[str] = set()
+        self._handoff = FileHandoff()
         atexit.register(self.shutdown)
 
     @property
@@ -212,8 +214,9 @@ class AsyncVLLMEngine:
             running.cancel()
 
     async def take_captures(self, capture_ids: list[str]) -> Captured:
-        rpc = self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,))
-        return merge_captures(await self._on_loop(rpc))
+        args = (capture_ids, self._handoff.request())
+        blocks = await self._on_loop(self.llm.collective_rpc("vinterp_take_captures", args=args))
+        return await asyncio.to_thread(merge_captures, blocks, self._handoff.tensor)
 
     async def step_stats(self) -> dict[str, int]:
         return (await self._on_loop(self.llm.collective_rpc("vinterp_step_stats")))[0]
@@ -250,6 +253,7 @@ class AsyncVLLMEngine:
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM async engine shutdown raised", exc_info=True)
         self._stop_loop()
+        self._handoff.close()
         gc.unfreeze()  # the engine's objects can be collected again
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@ capture id, per site as `{"positions": [...], "values": (P, H) tensor}` in posit
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from vinterp.engine.outputs import Output
@@ -18,6 +19,7 @@ from vinterp.runtime.executor import TraceResult
 from vinterp.wire.specs import RequestSpecs, Steering
 
 Captured = dict[str, dict[str, dict[str, Any]]]  # capture id -> site -> positions, values
+StreamRequest = tuple[list[int], dict[str, Any], RequestSpecs | None]  # ids, sampling, specs
 
 
 class Backend(Protocol):
@@ -48,6 +50,17 @@ class Backend(Protocol):
     def step_stats(self) -> dict[str, int]: ...
 
     def shutdown(self) -> None: ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend in this process that also feeds a long stream of requests to its engine
+    (`llm.extract`): outputs as requests finish, captures taken now and read later."""
+
+    def stream(
+        self, requests: Iterable[StreamRequest], queued_tokens: int
+    ) -> Iterator[tuple[int, Output]]: ...
+
+    def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]: ...
 
 
 class AsyncBackend(Protocol):

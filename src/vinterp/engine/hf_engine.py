@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from vinterp.engine.backend import Captured
+from vinterp.engine.backend import Captured, StreamRequest
 from vinterp.engine.hf_interventions import HFInterventions, HFRequest
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
@@ -115,9 +116,21 @@ class HFEngine:
             )
         ]
 
+    def stream(
+        self, requests: Iterable[StreamRequest], queued_tokens: int
+    ) -> Iterator[tuple[int, Output]]:
+        """(index, output) of each request in order (one prompt at a time: nothing queues)."""
+        for index, (ids, sampling, specs) in enumerate(requests):
+            (output,) = self.generate([ids], [sampling], [specs], use_tqdm=False)
+            yield index, output
+
     def take_captures(self, capture_ids: list[str]) -> Captured:
         """Captured rows per capture id and site, as the vLLM engine gives them."""
         return self.interventions.take(capture_ids)
+
+    def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]:
+        taken = self.take_captures(capture_ids)
+        return lambda: taken
 
     def set_global_steering(self, steering: list[Steering]) -> None:
         self.interventions.global_steering = list(steering)

@@ -8,12 +8,15 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vinterp.engine.backend import Captured, capture_ids_of
+from vinterp.engine.backend import Captured, StreamRequest, capture_ids_of
 from vinterp.engine.config_keys import (
     CAPTURE_IN_GRAPH_KEY,
+    CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
     CONFIG_KEY,
     SITE_PATHS_KEY,
@@ -21,7 +24,12 @@ from vinterp.engine.config_keys import (
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
 from vinterp.errors import InterventionError
-from vinterp.interventions.capture_buffers import buffer_setting, buffer_site_ids
+from vinterp.interventions.capture_buffers import (
+    buffer_rows_setting,
+    buffer_setting,
+    buffer_site_ids,
+)
+from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError, fit_rounds
@@ -39,9 +47,11 @@ log = logging.getLogger(__name__)
 
 
 def check_capture_in_graph(config: Any, engine_kwargs: dict[str, Any]) -> None:
-    """Refuse a wrong `capture_in_graph` before the engine starts (the workers would)."""
+    """Refuse a wrong `capture_in_graph` or `capture_in_graph_rows` before the engine starts
+    (the workers would)."""
     setting = buffer_setting(engine_kwargs.get("capture_in_graph", False))
     buffer_site_ids(setting, SiteOrder(int(config.num_hidden_layers)))
+    buffer_rows_setting(engine_kwargs.get("capture_in_graph_rows"))
 
 
 # vLLM engine arguments whose steps vinterp cannot follow: a draft model that runs through the
@@ -116,12 +126,14 @@ def vinterp_engine_settings(
     site_paths: dict[str, str] | None = None,
     capture_in_graph: bool | str | list[str] = False,
     check_applied: bool | None = None,
+    capture_in_graph_rows: int | str | None = None,
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
     tokens), a fixed seed. `capture_in_graph` (True, or the sites) puts capture buffers into
-    the compiled model (`interventions.capture_buffers`); `check_applied` counts what the sites
-    applied and checks it after every step (`interventions.applied`; None:
+    the compiled model (`interventions.capture_buffers`), `capture_in_graph_rows` rows
+    each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
+    what the sites applied and checks it after every step (`interventions.applied`; None:
     VINTERP_CHECK_APPLIED)."""
     check_vllm_version()
     if check_applied is None:
@@ -135,6 +147,7 @@ def vinterp_engine_settings(
             CONFIG_KEY: SITES_LAYOUT_VERSION,
             SITE_PATHS_KEY: site_paths or {},
             CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
+            CAPTURE_ROWS_KEY: buffer_rows_setting(capture_in_graph_rows),
             CHECK_APPLIED_KEY: bool(check_applied),
         },
     }
@@ -160,6 +173,7 @@ def engine_arguments(
             site_paths,
             engine_kwargs.pop("capture_in_graph", False),
             engine_kwargs.pop("check_applied", None),
+            engine_kwargs.pop("capture_in_graph_rows", None),
         ),
         **engine_kwargs,
     }
@@ -230,6 +244,7 @@ class VLLMEngine:
         self._prefix_caching = bool(cache_config.enable_prefix_caching)
         self._global_steering = False
         self._named: set[str] = set()
+        self._handoff = FileHandoff()
         atexit.register(self.shutdown)
 
     @property
@@ -269,7 +284,43 @@ class VLLMEngine:
 
     def take_captures(self, capture_ids: list[str]) -> Captured:
         """Captured rows per capture id and site, merged over workers (PP stages differ)."""
-        return merge_captures(self.llm.collective_rpc("vinterp_take_captures", args=(capture_ids,)))
+        return self.take_captures_later(capture_ids)()
+
+    def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]:
+        """Take the rows from the workers now; the returned call gives them once the workers
+        have written them (`capture_files`), so its wait can run on another thread while the
+        engine computes."""
+        args = (capture_ids, self._handoff.request())
+        blocks = self.llm.collective_rpc("vinterp_take_captures", args=args)
+        return partial(merge_captures, blocks, self._handoff.tensor)
+
+    def stream(
+        self, requests: Iterable[StreamRequest], queued_tokens: int
+    ) -> Iterator[tuple[int, Output]]:
+        """(index, output) of each request as it finishes, keeping about `queued_tokens`
+        prompt tokens queued in the engine: the engine never waits between batches (no
+        batch's last, part-full step) and the requests not yet queued cost nothing."""
+        engine = self.llm.llm_engine
+        pending = enumerate(requests)
+        queued: dict[str, tuple[int, int]] = {}  # request id -> (index, prompt tokens)
+        total = 0
+        while True:
+            while (total < queued_tokens or not queued) and (
+                item := next(pending, None)
+            ) is not None:
+                index, (ids, sampling, specs) = item
+                request_id = f"vinterp-stream-{uuid.uuid4().hex}"
+                prompt = self._prompt(ids, specs is not None)
+                engine.add_request(request_id, prompt, request_params(sampling, specs))
+                queued[request_id] = (index, len(ids))
+                total += len(ids)
+            if not queued:
+                return
+            for result in engine.step():
+                if result.finished:
+                    index, size = queued.pop(result.request_id)
+                    total -= size
+                    yield index, to_output(result)
 
     def step_stats(self) -> dict[str, int]:
         """Forward steps run so far, and how many of them ran uncompiled (first worker)."""
@@ -319,6 +370,7 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM engine shutdown raised", exc_info=True)
+        self._handoff.close()
         gc.unfreeze()  # the engine's objects can be collected again
 
 

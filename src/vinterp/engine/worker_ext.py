@@ -12,6 +12,7 @@ from typing import Any
 
 from vinterp.engine.config_keys import (
     CAPTURE_IN_GRAPH_KEY,
+    CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
     SITE_PATHS_KEY,
 )
@@ -19,7 +20,7 @@ from vinterp.engine.runner_hooks import instrument, runner_kind
 from vinterp.engine.site_modules import held_site_ids, install_vllm_sites
 from vinterp.engine.site_ops import SiteCalls
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
-from vinterp.interventions.capture_buffers import buffer_site_ids
+from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules
@@ -69,8 +70,10 @@ def install_on_runner(runner: Any) -> None:
     if settings.get(CHECK_APPLIED_KEY, False):
         counters = AppliedCounters(len(order.sites), runner.device)
     steer = steer_buffers_for(runner, len(order.sites), counters)
-    # in-graph capture: one row per sequence covers last_prompt and decoding for a full batch
-    capture_rows = runner.vllm_config.scheduler_config.max_num_seqs
+    scheduler = runner.vllm_config.scheduler_config
+    capture_rows = buffer_rows(
+        settings.get(CAPTURE_ROWS_KEY), scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    )
     capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
     calls = SiteCalls()
     capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
@@ -114,8 +117,10 @@ class VinterpWorkerExtension:
     def vinterp_register_steering(self, name: str, wire: dict[str, Any] | None) -> None:
         self._vinterp.interventions.register(name, wire)
 
-    def vinterp_take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
-        return self._vinterp.interventions.take_captures(capture_ids)
+    def vinterp_take_captures(
+        self, capture_ids: list[str], handoff: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        return self._vinterp.interventions.take_captures(capture_ids, handoff)
 
     def vinterp_unapplied(self) -> list[str]:
         """What the applied check found not applied since the last call (check on)."""

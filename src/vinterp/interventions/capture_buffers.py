@@ -46,6 +46,33 @@ def buffer_setting(value: object) -> BufferSetting:
     )
 
 
+RowsSetting = int | str | None  # rows per buffer: a number, "step", or None (one per sequence)
+
+
+def buffer_rows_setting(value: object) -> RowsSetting:
+    """`capture_in_graph_rows` checked: None (one row per sequence the engine runs at once:
+    last_prompt and decoding), "step" (every token one engine step computes: all prompt
+    positions), or a number of rows."""
+    if (
+        value is None
+        or value == "step"
+        or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    ):
+        return value
+    raise TypeError(
+        f"capture_in_graph_rows={value!r}: give None (one row per sequence: last_prompt and "
+        "decoding), 'step' (every token of an engine step: all prompt positions) or a number "
+        "of rows > 0"
+    )
+
+
+def buffer_rows(setting: RowsSetting, max_num_seqs: int, step_tokens: int) -> int:
+    """The rows each capture buffer holds for a `buffer_rows_setting`."""
+    if setting is None:
+        return max_num_seqs
+    return step_tokens if setting == "step" else int(setting)
+
+
 def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
     """The sites that get capture buffers, on every worker (a pipeline stage holds some of
     them). An unknown name raises `UnknownSiteError`, which says what would be right."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import accumulate, chain
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from vinterp.interventions.tables import SiteCapture
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
+Encoder = Callable[[torch.Tensor], Any]  # a site's values -> what travels to the front end
 # per capture id, per site: (one step's gathered rows, first row, positions) for each step
 _Chunk = tuple[torch.Tensor, int, list[int]]
 
@@ -39,14 +40,17 @@ class CaptureStore:
             self._chunks[capture_id][site].append((gathered, start, positions))
             start += len(positions)
 
-    def take(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """{site: block} of the rows of `capture_ids` (see `site_block`), removed here."""
+    def take(
+        self, capture_ids: list[str], encode: Encoder = tensor_to_wire
+    ) -> dict[str, dict[str, Any]]:
+        """{site: block} of the rows of `capture_ids` (see `site_block`), removed here;
+        `encode` turns each site's values into what travels (`capture_files.FileWriter`)."""
         owned: dict[str, list[tuple[str, list[_Chunk]]]] = defaultdict(list)
         for cid in capture_ids:
             for site, chunks in self._chunks.pop(cid, {}).items():
                 owned[site].append((cid, chunks))
         layouts: dict[tuple, _Layout] = {}  # sites recorded for the same requests share one
-        return {site: site_block(chunks, layouts) for site, chunks in owned.items()}
+        return {site: site_block(chunks, layouts, encode) for site, chunks in owned.items()}
 
 
 class _Layout:
@@ -86,7 +90,7 @@ class _Layout:
 
 
 def site_block(
-    owned: list[tuple[str, list[_Chunk]]], layouts: dict[tuple, _Layout]
+    owned: list[tuple[str, list[_Chunk]]], layouts: dict[tuple, _Layout], encode: Encoder
 ) -> dict[str, Any]:
     """One site's rows for several ids: "values", one wire tensor grouped by id in `owned`'s
     order, and "parts", [[capture id, positions]], each id's positions in order. A position
@@ -104,7 +108,7 @@ def site_block(
         step_of = {k: i for i, k in enumerate(gathered)}
         layouts[key] = _Layout(owned, list(map(step_of.__getitem__, map(id, tensors))))
     layout = layouts[key]
-    return {"values": tensor_to_wire(layout.values(list(gathered.values()))), "parts": layout.parts}
+    return {"values": encode(layout.values(list(gathered.values()))), "parts": layout.parts}
 
 
 def _joined(
@@ -139,14 +143,18 @@ def _longs(values: Iterable[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
-def merge_captures(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def merge_captures(
+    per_worker: list[dict[str, dict[str, Any]]],
+    decode: Callable[[Any, str], torch.Tensor] = tensor_from_wire,
+) -> dict[str, dict[str, Any]]:
     """{capture id: {site: {"positions", "values"}}} from every worker's blocks (PP stages
-    hold different sites; other TP ranks send {}). Each block is decoded once; an id's rows
-    are a view of it."""
+    hold different sites; other TP ranks send {}). Each block is decoded once (`decode`:
+    inline wire tensors, or `capture_files.FileHandoff.tensor`); an id's rows are a view of
+    it."""
     merged: dict[str, dict[str, Any]] = defaultdict(dict)
     for blocks in per_worker:
         for site, block in blocks.items():
-            values = tensor_from_wire(block["values"], f"captured rows at {site}")
+            values = decode(block["values"], f"captured rows at {site}")
             parts = block["parts"]
             for (cid, positions), rows in zip(
                 parts, torch.split(values, [len(p) for _, p in parts])

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.capture_files import FileWriter
 from vinterp.interventions.capture_store import CaptureStore
 from vinterp.interventions.specs import (
     WorkerCapture,
@@ -33,6 +34,7 @@ class WorkerInterventions:
         self.global_steering: list[WorkerSteering] = []
         self.named: dict[str, WorkerSteering] = {}
         self.store = CaptureStore()
+        self.files = FileWriter()
         self.capture_tables: dict[str, SiteCapture] = {}
         self.version = 0  # changes with global or named steering: requests' specs are cached
 
@@ -77,5 +79,11 @@ class WorkerInterventions:
             if site_id in buffers.site_ids:
                 self.store.add_gathered(site, capture, buffers.gathered(site_id, len(capture.rows)))
 
-    def take_captures(self, capture_ids: list[str]) -> dict[str, Any]:
-        return self.store.take(capture_ids) if self.captures_here else {}
+    def take_captures(
+        self, capture_ids: list[str], handoff: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The rows of `capture_ids`, as files in the front end's `handoff` directory when
+        it is on this host (`capture_files`), else inline."""
+        if not self.captures_here:
+            return {}
+        return self.store.take(capture_ids, self.files.encoder(handoff))

@@ -137,3 +137,55 @@ def tiny(arch: str = "llama", **overrides: Any) -> Path:
     config = tiny_config(arch, **overrides)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
     return cached_checkpoint(f"tiny-{arch}-{digest}", _builder(config))
+
+
+# Llama 3 8B's shape (no weights): for engines started with load_format="dummy"
+LLAMA_3_8B: dict[str, Any] = {
+    "arch": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "initializer_range": 0.02,
+    "dtype": "bfloat16",
+}
+LLAMA_3_70B: dict[str, Any] = {
+    **LLAMA_3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
+# Shapes by the name `vinterp bench --model` takes
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3-8b-shape": LLAMA_3_8B,
+    "llama-3-70b-shape": LLAMA_3_70B,
+}
+
+
+def _shape_builder(config_dict: dict[str, Any]):
+    def build(out_dir: Path) -> None:
+        from transformers import AutoConfig
+
+        config_dict_ = dict(config_dict)
+        AutoConfig.for_model(config_dict_.pop("model_type"), **config_dict_).save_pretrained(
+            out_dir
+        )
+        _build_tokenizer().save_pretrained(out_dir)
+
+    return build
+
+
+def shape_only(arch: str = "llama", **overrides: Any) -> Path:
+    """Local directory of a model's shape without weights: config.json and the tiny
+    tokenizer (its ids lie below any vocabulary size), cached by the config's hash. Engines
+    load it with random weights (vLLM's `load_format="dummy"`, transformers' `from_config`),
+    so it is for timing, not for values. `shape_only(**LLAMA_3_8B)`: Llama 3 8B."""
+    config = tiny_config(arch, **overrides)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    return cached_checkpoint(f"shape-{arch}-{digest}", _shape_builder(config))

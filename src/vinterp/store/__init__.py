@@ -1,13 +1,17 @@
 """The on-disk activation dataset: Hugging Face `datasets` shards written atomically on a
-writer thread, and a manifest that makes a killed run resumable."""
+writer thread, a manifest that makes a killed run resumable, and the site values read back
+bit for bit in their stored dtype."""
 
 from vinterp.store.directory import ActivationStore
 from vinterp.store.files import content_hash
 from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.manifest import Manifest, SpecMismatchError, StoreError
+from vinterp.store.values import COLUMN_DTYPE, STORED_DTYPES, column_values, site_tensor
 from vinterp.store.writer import PendingShard, ShardWriter
 
 __all__ = [
+    "COLUMN_DTYPE",
+    "STORED_DTYPES",
     "ActivationStore",
     "Columns",
     "Manifest",
@@ -15,6 +19,8 @@ __all__ = [
     "ShardWriter",
     "SpecMismatchError",
     "StoreError",
+    "column_values",
     "content_hash",
     "row_size",
+    "site_tensor",
 ]

@@ -1,0 +1,353 @@
+"""Activation extraction rows of `vinterp bench`: `llm.extract` streaming rows to a Hugging
+Face `datasets` directory on disk, timed against plain vLLM's prefill of the same prompts
+(`vllm.LLM.generate(prompts, SamplingParams(max_tokens=1))`) in the same run; and the same
+extraction with HF transformers and forward hooks into host memory, against the same
+prefill time. One engine is alive at a time; the HF model loads after the last engine is
+shut down."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vinterp.api.extract import engine_settings
+from vinterp.bench.harness import (
+    REFERENCE,
+    Row,
+    Timing,
+    device_kind,
+    free_memory,
+    target,
+    timed_interleaved,
+)
+from vinterp.bench.peers.batching import batches
+from vinterp.bench.workloads import (
+    EXTRACT_HF,
+    EXTRACT_LAYERS_ALL,
+    EXTRACT_LAYERS_LAST,
+    EXTRACTION,
+    PROMPT_TEMPLATE,
+    plain_vllm,
+    vinterp_engine,
+)
+
+KEYS = EXTRACTION
+PROMPT_TOKENS = 256  # `vinterp bench --prompt-tokens`
+# extract_layers_all: how many evenly spaced layers, per device kind
+SPACED_LAYERS = {"cuda": 4, "cpu": 2}
+# The HF peer's batch sizes: each is tried once (on the warm-up prompts), the fastest is timed
+HF_BATCHES = (8, 16, 32, 64)
+WARM_UP_SHARE = 16  # warm-ups and batch trials run on this share of the prompts
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """One extraction row: what `llm.extract` is asked for, and the same in layer indices
+    for the HF peer."""
+
+    key: str
+    name: str
+    sites: list[str]
+    positions: str  # all_prompt or last_prompt
+    layers: list[int]
+
+
+def spaced_layers(n_layers: int, count: int) -> list[int]:
+    """`count` layers evenly spaced over `n_layers`, each in the middle of its share."""
+    count = min(count, n_layers)
+    return [(2 * i + 1) * n_layers // (2 * count) for i in range(count)]
+
+
+def extractions(n_layers: int, spaced: int) -> dict[str, Extraction]:
+    layers = spaced_layers(n_layers, spaced)
+    return {
+        EXTRACT_LAYERS_ALL: Extraction(
+            EXTRACT_LAYERS_ALL,
+            f"extract layers {','.join(map(str, layers))}.output, every prompt position",
+            [f"layers.{i}.output" for i in layers],
+            "all_prompt",
+            layers,
+        ),
+        EXTRACT_LAYERS_LAST: Extraction(
+            EXTRACT_LAYERS_LAST,
+            "extract layers.*.output last_prompt",
+            ["layers.*.output"],
+            "last_prompt",
+            list(range(n_layers)),
+        ),
+    }
+
+
+def prompt_texts(tokenizer: Any, prompts: int, tokens: int) -> list[str]:
+    """`prompts` different texts of `tokens` tokens each (a token fewer where the tokenizer
+    merges across the cut): PROMPT_TEMPLATE for numbers i, i+1, ... joined until long
+    enough, then cut at `tokens` tokens."""
+    texts = []
+    for i in range(prompts):
+        parts: list[str] = []
+        k = i
+        while len(ids := tokenizer(" ".join(parts)).input_ids) < tokens:
+            parts.append(PROMPT_TEMPLATE.format(i=k))
+            k += 1
+        texts.append(_cut(tokenizer, ids, tokens))
+    return texts
+
+
+def _cut(tokenizer: Any, ids: list[int], tokens: int) -> str:
+    """The text of the first `tokens` of `ids` that encodes to at most `tokens` tokens."""
+    special = len(tokenizer("").input_ids)  # BOS and the like, added again on encoding
+    keep = tokens - special
+    while True:
+        text = tokenizer.decode(ids[special : special + keep], skip_special_tokens=True)
+        if len(tokenizer(text).input_ids) <= tokens:
+            return text
+        keep -= 1
+
+
+def payload_bytes(dataset: Any, sites: list[str]) -> int:
+    """Bytes of the site values in an extracted dataset (rows x width x itemsize per site
+    column, as the Arrow schema stores them; the prompt/position/token columns not
+    counted)."""
+    schema = dataset.data.schema
+    total = 0
+    for name in schema.names:
+        if name in ("prompt", "position", "token"):
+            continue
+        kind = schema.field(name).type
+        total += dataset.num_rows * kind.list_size * kind.value_type.bit_width // 8
+    return total
+
+
+@contextmanager
+def scratch(root: str | Path | None) -> Any:
+    """The directory the timed extractions write under: `root` (kept), or a temporary one
+    (removed at the end)."""
+    if root is not None:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        yield Path(root)
+        return
+    made = Path(tempfile.mkdtemp(prefix="vinterp-bench-extract-"))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def run(
+    model: str | Path,
+    prompts: int,
+    prompt_tokens: int,
+    repeats: int,
+    dtype: str,
+    selected: set[str],
+    extract_dir: str | Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+    **engine_kwargs: Any,
+) -> list[Row]:
+    """Rows for the selected `KEYS`: plain vLLM's prefill first, then one vinterp engine per
+    selected extraction (capture buffers at its sites), then the HF peer (on the extractions
+    selected, or both when only the peer is). `engine_kwargs` (e.g. load_format) go to every
+    vLLM engine; load_format="dummy" gives the HF peer a model built from the config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    chosen = [key for key in KEYS if key in selected]
+    if not chosen:
+        return []
+    config = AutoConfig.from_pretrained(str(model))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    texts = prompt_texts(tokenizer, prompts, prompt_tokens)
+    ids = tokenizer(texts).input_ids
+    tokens = sum(map(len, ids))
+    every = extractions(int(config.num_hidden_layers), SPACED_LAYERS[device_kind()])
+    ours = [every[key] for key in chosen if key in every]
+    size = f" ({len(texts)}x{prompt_tokens} prompt tokens)"
+    rows: list[Row] = []
+    with scratch(extract_dir) as root:
+        plain = plain_prefill(model, dtype, texts, repeats, **engine_kwargs)
+        times: dict[str, Timing] = {}
+        for x in ours:
+            timing, written = time_extract(model, dtype, texts, x, repeats, root, **engine_kwargs)
+            times[x.key] = timing
+            extras = {"gb_written": written / GB, "gb_per_s": written / GB / timing.median}
+            rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
+            progress(x.key)
+    if EXTRACT_HF in selected:
+        peer = ours or list(every.values())
+        dummy = engine_kwargs.get("load_format") == "dummy"
+        rows += hf_rows(model, dtype, ids, peer, repeats, plain, times, dummy, size)
+        progress(EXTRACT_HF)
+    return rows
+
+
+def warm_up(prompts: list[Any]) -> list[Any]:
+    """The prompts of a warm-up run, and of the HF peer's batch-size trials: the first
+    1/WARM_UP_SHARE of them (at least HF_BATCHES' largest), so that a run of minutes on a
+    lent GPU is not paid twice."""
+    return prompts[: max(len(prompts) // WARM_UP_SHARE, max(HF_BATCHES))]
+
+
+def plain_prefill(
+    model: str | Path, dtype: str, texts: list[str], repeats: int, **engine_kwargs: Any
+) -> Timing:
+    """Plain vLLM's prefill of `texts`: `generate(texts, SamplingParams(max_tokens=1))`."""
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
+    with plain_vllm(model, dtype, **engine_kwargs) as llm:
+        call = partial(llm.generate, texts, params, use_tqdm=False)
+        warm = partial(llm.generate, warm_up(texts), params, use_tqdm=False)
+        return timed_interleaved({"plain": call}, repeats, warm={"plain": warm})["plain"]
+
+
+def time_extract(
+    model: str | Path,
+    dtype: str,
+    texts: list[str],
+    x: Extraction,
+    repeats: int,
+    root: Path,
+    **engine_kwargs: Any,
+) -> tuple[Timing, int]:
+    """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
+    sites, each run into a fresh directory under `root` that is deleted after the run (not
+    timed); and the bytes of site values one run wrote."""
+    written: list[int] = []
+    runs: list[Path] = []
+    kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
+    with vinterp_engine(model, dtype, **kwargs) as llm:
+
+        def extract(prompts: list[str] = texts) -> None:
+            runs.append(Path(tempfile.mkdtemp(prefix="run-", dir=root)))
+            out = runs[-1] / "acts"
+            dataset = llm.extract(prompts, x.sites, x.positions, out=out, use_tqdm=False)
+            written.append(payload_bytes(dataset, x.sites))
+
+        def remove() -> None:
+            shutil.rmtree(runs.pop(), ignore_errors=True)
+
+        warm = {x.key: partial(extract, warm_up(texts))}
+        timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
+    return timing, written[-1]
+
+
+def hf_rows(
+    model: str | Path,
+    dtype: str,
+    ids: list[list[int]],
+    peer: list[Extraction],
+    repeats: int,
+    plain: Timing,
+    ours: dict[str, Timing],
+    dummy: bool,
+    size: str,
+) -> list[Row]:
+    """The HF peer's row per extraction, each at its fastest batch size of HF_BATCHES; its
+    extras give vinterp's throughput over HF's where vinterp's row ran. The model is freed
+    (with the GPU memory it held) before this returns."""
+    device = "cuda" if device_kind() == "cuda" else "cpu"
+    models = [hf_model(model, dtype, device, dummy)]
+    rows = []
+    try:
+        for x in peer:
+            batch = tune_batch(models[0], warm_up(ids), x, device)
+            timing, collected = time_hf(models[0], ids, x, batch, device, repeats)
+            extras = {"hf_batch": float(batch), "gb_collected": collected / GB}
+            if x.key in ours:
+                extras["vinterp_throughput_x_hf"] = timing.median / ours[x.key].median
+            name = f"HF transformers + forward hooks, to host memory (batch {batch}): {x.name}"
+            name += size + (" (unchecked: random weights)" if dummy else "")
+            rows.append(Row(name, plain, timing, REFERENCE, EXTRACT_HF, sum(map(len, ids)), extras))
+    finally:
+        models.clear()
+        free_memory()
+    return rows
+
+
+def time_hf(
+    hf: Any, ids: list[list[int]], x: Extraction, batch: int, device: str, repeats: int
+) -> tuple[Timing, int]:
+    """Times of the HF extraction at `batch`, and the bytes of the rows one run collected
+    (each run's rows are dropped before the next)."""
+    collected: list[int] = []
+
+    def extract(prompts: list[list[int]] = ids) -> None:
+        rows = hf_extract(hf, prompts, x, batch, device)
+        collected.append(sum(t.numel() * t.element_size() for t in rows.values()))
+
+    warm = {x.key: partial(extract, warm_up(ids))}
+    return timed_interleaved({x.key: extract}, repeats, warm=warm)[x.key], collected[-1]
+
+
+def hf_model(model: str | Path, dtype: str, device: str, dummy: bool) -> Any:
+    """The transformers model in the engine's dtype on `device`: built from the config
+    (random weights) for a shape without weights, else loaded from the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    if dummy:
+        config = AutoConfig.from_pretrained(str(model))
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device)
+    return hf.eval()
+
+
+def tune_batch(hf: Any, ids: list[list[int]], x: Extraction, device: str) -> int:
+    """The fastest of HF_BATCHES, each run once (a batch that runs out of memory is
+    skipped)."""
+    best: tuple[int, float] | None = None
+    for batch in HF_BATCHES:
+        start = time.perf_counter()
+        try:
+            hf_extract(hf, ids, x, batch, device)
+        except torch.OutOfMemoryError:
+            free_memory()
+            continue
+        seconds = time.perf_counter() - start
+        if best is None or seconds < best[1]:
+            best = (batch, seconds)
+    if best is None:
+        raise RuntimeError(f"HF peer: out of memory at every batch size {HF_BATCHES}")
+    return best[0]
+
+
+@torch.inference_mode()
+def hf_extract(
+    hf: Any, ids: list[list[int]], x: Extraction, batch: int, device: str
+) -> dict[int, torch.Tensor]:
+    """The layers' outputs (forward hooks) at the extraction's positions, in host memory:
+    (rows, hidden) per layer, rows in prompt order. Right-padded batches through the base
+    model (no LM head)."""
+    from vinterp.sites.modules import find_site_modules
+
+    layers = find_site_modules(hf, hf.config.model_type).layers
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i: int, _module: Any, _args: Any, out: Any) -> None:
+        seen[i] = out[0] if isinstance(out, tuple) else out
+
+    hooks = [layers[i].register_forward_hook(partial(keep, i)) for i in x.layers]
+    rows: dict[int, list[torch.Tensor]] = {i: [] for i in x.layers}
+    try:
+        for batch_ids, mask, last in batches(ids, batch, "right", device):
+            hf.base_model(input_ids=batch_ids, attention_mask=mask)
+            real = mask.bool()
+            picked, last = torch.arange(len(last), device=device), last.to(device)
+            for i in x.layers:
+                h = seen[i]
+                rows[i].append((h[real] if x.positions == "all_prompt" else h[picked, last]).cpu())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {i: torch.cat(rows.pop(i)) for i in x.layers}  # each layer's batches freed as joined

@@ -1,0 +1,115 @@
+"""The extraction rows of `vinterp bench` (bench/extraction.py): prompts of a given token
+count, model shapes without weights, and, on the CPU engine, the rows of `llm.extract` and
+of HF's forward hooks against plain vLLM's prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+import vinterp
+from vinterp import cli
+from vinterp.bench import extraction
+from vinterp.bench.harness import REFERENCE, target
+
+
+@pytest.mark.parametrize("model", ["bundled", "tiny"])
+def test_prompts_have_the_asked_token_count_and_differ(model: str) -> None:
+    path = vinterp.models.bundled() if model == "bundled" else vinterp.models.tiny("llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    for prompts, tokens in ((8, 32), (16, 256)):
+        texts = extraction.prompt_texts(tokenizer, prompts, tokens)
+        assert len(texts) == prompts and len(set(texts)) == prompts
+        counts = [len(ids) for ids in tokenizer(texts).input_ids]
+        assert all(tokens - 1 <= n <= tokens for n in counts), counts
+
+
+def test_spaced_layers_sit_in_the_middle_of_equal_shares() -> None:
+    assert extraction.spaced_layers(32, 4) == [4, 12, 20, 28]
+    assert extraction.spaced_layers(30, 2) == [7, 22]
+    assert extraction.spaced_layers(2, 4) == [0, 1]
+
+
+def test_shape_only_writes_a_config_and_tokenizer_without_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VINTERP_CACHE_DIR", str(tmp_path))
+    path = vinterp.models.shape_only(**vinterp.models.LLAMA_3_8B)
+    assert path.parent == tmp_path
+    assert not [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
+    config = AutoConfig.from_pretrained(str(path))
+    assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.intermediate_size) == (4096, 14336)
+    assert (config.num_hidden_layers, config.num_attention_heads) == (32, 32)
+    assert (config.num_key_value_heads, config.head_dim) == (8, 128)
+    assert (config.vocab_size, config.max_position_embeddings) == (128256, 8192)
+    assert config.rope_parameters["rope_theta"] == 500000
+    assert str(config.dtype).removeprefix("torch.") == "bfloat16"
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    assert max(tokenizer("The capital of France is").input_ids) < config.vocab_size
+    assert vinterp.models.shape_only(**vinterp.models.LLAMA_3_8B) == path  # cached
+
+
+def test_the_70b_shape_is_llama_3_70bs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VINTERP_CACHE_DIR", str(tmp_path))
+    model, load_format = cli._bench_model("llama-3-70b-shape", None)
+    config = AutoConfig.from_pretrained(str(model))
+    assert load_format == "dummy"
+    assert (config.hidden_size, config.intermediate_size) == (8192, 28672)
+    assert (config.num_hidden_layers, config.num_attention_heads) == (80, 64)
+    assert (config.num_key_value_heads, config.head_dim) == (8, 128)
+
+
+def test_bench_resolves_a_shape_name_to_random_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VINTERP_CACHE_DIR", str(tmp_path))
+    model, load_format = cli._bench_model("llama-3-8b-shape", None)
+    assert load_format == "dummy" and Path(model).parent == tmp_path
+    with pytest.raises(SystemExit, match="no weights"):
+        cli._bench_model("llama-3-8b-shape", "auto")
+    assert cli._bench_model("some/dir", None) == ("some/dir", None)
+
+
+@pytest.mark.engine("bench_extraction")
+def test_extraction_rows_time_extract_and_hf_hooks_against_plain_prefill(
+    engines, tiny_llama, tmp_path
+) -> None:
+    """Tiny llama (4 layers, hidden 256, float32; eager engines: the rows' plumbing is under
+    test): each row has times, and the bytes it reports equal rows x sites x hidden x 4."""
+    engines.release()  # these rows start their own engines
+    done: list[str] = []
+    rows = extraction.run(
+        tiny_llama,
+        prompts=8,
+        prompt_tokens=32,
+        repeats=1,
+        dtype="float32",
+        selected=set(extraction.KEYS),
+        extract_dir=tmp_path,
+        progress=done.append,
+        enforce_eager=True,
+    )
+    assert done == list(extraction.KEYS)
+    assert [r.key for r in rows] == list(extraction.KEYS[:2]) + [extraction.EXTRACT_HF] * 2
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    texts = extraction.prompt_texts(tokenizer, 8, 32)
+    tokens = sum(len(ids) for ids in tokenizer(texts).input_ids)
+    hidden, itemsize = 256, 4
+    expected = {
+        "extract_layers_all": tokens * 2 * hidden * itemsize,  # layers 1 and 3 (2 on the CPU)
+        "extract_layers_last": 8 * 4 * hidden * itemsize,  # every layer, one row a prompt
+    }
+    plain = rows[0].baseline
+    for row, key, ours in zip(rows, [*expected, *expected], [*rows[:2], *rows[:2]]):
+        assert row.baseline is plain and plain.median > 0 and row.measured.median > 0
+        assert row.tokens == tokens
+        assert ours.key == key and ours.name in row.name  # the HF row names what it repeats
+        if row.key == extraction.EXTRACT_HF:
+            assert row.target == REFERENCE and "host memory" in row.name
+            assert row.extras["gb_collected"] * 1e9 == pytest.approx(expected[key], abs=0.5)
+            assert row.extras["hf_batch"] in extraction.HF_BATCHES
+            assert row.extras["vinterp_throughput_x_hf"] > 0
+        else:
+            assert row.target == target(key)
+            assert row.extras["gb_written"] * 1e9 == pytest.approx(expected[key], abs=0.5)
+            assert row.extras["gb_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # every run's folder deleted
