@@ -1,7 +1,8 @@
 """`llm.extract`: activations of many prompts streamed to a Hugging Face `datasets` directory
-(API.md section 5, "Activation datasets"). Prefill only, one `llm.generate` with a capture
-per shard; shards are written on a writer thread while the engine computes the next, and a
-run killed at any moment continues where it stopped when run again with the same spec."""
+(API.md section 5, "Activation datasets"). Prefill only: every prompt goes through one stream
+of requests to the engine, each shard's captures are read and written on a writer thread while
+the engine goes on, and a run killed at any moment continues where it stopped when run again
+with the same spec."""
 
 from __future__ import annotations
 

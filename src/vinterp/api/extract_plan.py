@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vinterp.wire.tensors import is_int
+
 PositionSpec = str | list[int]
 EXTRACT_POSITIONS = ("all_prompt", "last_prompt")
 TOO_LONG = "skipped_too_long"  # per-shard count of prompts the engine cannot take
@@ -17,7 +19,7 @@ TOKENS = "prompt_tokens"  # tokens the engine computed
 
 def check_positions(positions: PositionSpec, skip_first: int) -> PositionSpec:
     """The positions spec as stored (a list sorted, without duplicates); ValueError otherwise."""
-    if isinstance(skip_first, bool) or not isinstance(skip_first, int) or skip_first < 0:
+    if not is_int(skip_first) or skip_first < 0:
         raise ValueError(f"skip_first: expected an int >= 0, got {skip_first!r}")
     if isinstance(positions, str):
         if positions not in EXTRACT_POSITIONS:
@@ -29,7 +31,7 @@ def check_positions(positions: PositionSpec, skip_first: int) -> PositionSpec:
     if (
         not isinstance(positions, (list, tuple))
         or not positions
-        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
+        or not all(is_int(p) and p >= 0 for p in positions)
     ):
         raise ValueError(f"positions: expected a non-empty list of ints >= 0, got {positions!r}")
     kept = sorted({p for p in positions if p >= skip_first})

@@ -26,6 +26,7 @@ from vinterp.interventions.applied import AppliedCounters
 from vinterp.interventions.tables import SiteCapture
 from vinterp.interventions.uploads import upload
 from vinterp.sites.names import SiteOrder
+from vinterp.wire.tensors import is_int
 
 BufferSetting = bool | list[str]  # every site / none, or site names and patterns
 
@@ -53,11 +54,7 @@ def buffer_rows_setting(value: object) -> RowsSetting:
     """`capture_in_graph_rows` checked: None (one row per sequence the engine runs at once:
     last_prompt and decoding), "step" (every token one engine step computes: all prompt
     positions), or a number of rows."""
-    if (
-        value is None
-        or value == "step"
-        or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-    ):
+    if value is None or value == "step" or (is_int(value) and value > 0):
         return value
     raise TypeError(
         f"capture_in_graph_rows={value!r}: give None (one row per sequence: last_prompt and "

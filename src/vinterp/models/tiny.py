@@ -117,26 +117,36 @@ def _build_tokenizer():
     )
 
 
-def _builder(config_dict: dict[str, Any]):
+def _builder(config_dict: dict[str, Any], weights: bool = True):
+    """Writes the config, the tiny tokenizer and (with `weights`) random weights."""
+
     def build(out_dir: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config_dict_ = dict(config_dict)
         config = AutoConfig.for_model(config_dict_.pop("model_type"), **config_dict_)
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(out_dir, safe_serialization=True)
+        if weights:
+            torch.manual_seed(SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.save_pretrained(out_dir, safe_serialization=True)
+        else:
+            config.save_pretrained(out_dir)
         _build_tokenizer().save_pretrained(out_dir)
 
     return build
 
 
-def tiny(arch: str = "llama", **overrides: Any) -> Path:
-    """Local HF checkpoint of a tiny random `arch` model, cached by its config's hash."""
+def _cached(kind: str, arch: str, overrides: dict[str, Any], weights: bool) -> Path:
+    """The cached directory of `arch` with `overrides`, named by its config's hash."""
     config = tiny_config(arch, **overrides)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-    return cached_checkpoint(f"tiny-{arch}-{digest}", _builder(config))
+    return cached_checkpoint(f"{kind}-{arch}-{digest}", _builder(config, weights))
+
+
+def tiny(arch: str = "llama", **overrides: Any) -> Path:
+    """Local HF checkpoint of a tiny random `arch` model, cached by its config's hash."""
+    return _cached("tiny", arch, overrides, weights=True)
 
 
 # Llama 3 8B's shape (no weights): for engines started with load_format="dummy"
@@ -168,24 +178,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _shape_builder(config_dict: dict[str, Any]):
-    def build(out_dir: Path) -> None:
-        from transformers import AutoConfig
-
-        config_dict_ = dict(config_dict)
-        AutoConfig.for_model(config_dict_.pop("model_type"), **config_dict_).save_pretrained(
-            out_dir
-        )
-        _build_tokenizer().save_pretrained(out_dir)
-
-    return build
-
-
 def shape_only(arch: str = "llama", **overrides: Any) -> Path:
     """Local directory of a model's shape without weights: config.json and the tiny
     tokenizer (its ids lie below any vocabulary size), cached by the config's hash. Engines
     load it with random weights (vLLM's `load_format="dummy"`, transformers' `from_config`),
     so it is for timing, not for values. `shape_only(**LLAMA_3_8B)`: Llama 3 8B."""
-    config = tiny_config(arch, **overrides)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-    return cached_checkpoint(f"shape-{arch}-{digest}", _shape_builder(config))
+    return _cached("shape", arch, overrides, weights=False)
