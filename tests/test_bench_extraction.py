@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 import vinterp
 from vinterp import cli
 from vinterp.bench import extraction
-from vinterp.bench.harness import REFERENCE, target
+from vinterp.bench.harness import REFERENCE, target, timed_interleaved
 
 
 @pytest.mark.parametrize("model", ["bundled", "tiny"])
@@ -113,3 +113,21 @@ def test_extraction_rows_time_extract_and_hf_hooks_against_plain_prefill(
             assert row.extras["gb_written"] * 1e9 == pytest.approx(expected[key], abs=0.5)
             assert row.extras["gb_per_s"] > 0
     assert list(tmp_path.iterdir()) == []  # every run's folder deleted
+
+
+def test_warm_ups_run_a_sixteenth_of_the_prompts_but_at_least_the_largest_batch() -> None:
+    assert extraction.warm_up(list(range(4096))) == list(range(256))
+    assert extraction.warm_up(list(range(100))) == list(range(64))
+    assert extraction.warm_up(list(range(10))) == list(range(10))
+
+
+def test_timed_interleaved_warms_up_with_the_given_call_instead_of_a_full_run() -> None:
+    calls: list[str] = []
+    times = timed_interleaved(
+        {"job": lambda: calls.append("full")},
+        repeats=2,
+        cleanup={"job": lambda: calls.append("cleanup")},
+        warm={"job": lambda: calls.append("warm")},
+    )
+    assert calls == ["warm", "cleanup", "full", "cleanup", "full", "cleanup"]
+    assert len(times["job"].times) == 2
