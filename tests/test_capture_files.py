@@ -76,7 +76,7 @@ def test_a_file_the_worker_could_not_write_is_a_clear_error(handoff, monkeypatch
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(capture_files, "open", full, raising=False)
+    monkeypatch.setattr(capture_files.os, "posix_fallocate", full)  # the room taken first
     block = writer.encoder(handoff.request())(big(torch.float32))
     with pytest.raises(OSError, match="No space left on device.*VINTERP_CAPTURE_DIR"):
         handoff.tensor(block, "captured rows at layers.0.output")

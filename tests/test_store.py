@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import threading
+import time
 from pathlib import Path
 
 import datasets
@@ -162,7 +163,7 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
         release.wait(10)
         return rows(start, end)
 
-    with ShardWriter(store, queued=1) as writer:
+    with ShardWriter(store, threads=1, queued=1) as writer:
         writer.put(PendingShard(0, 1, lambda: slow(0, 1)))  # taken by the thread, blocked
         writer.put(PendingShard(1, 2, lambda: rows(1, 2)))  # fills the queue
         third = threading.Thread(target=writer.put, args=(PendingShard(2, 4, lambda: rows(2, 4)),))
@@ -186,6 +187,54 @@ def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="column build failed"):
         writer.close()
     assert store.manifest.shards == []
+
+
+def test_shards_finished_out_of_order_are_listed_in_order(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    later_written = threading.Event()
+
+    def first() -> dict[str, np.ndarray]:  # finishes after the two shards put after it
+        assert later_written.wait(10)
+        return rows(0, 1)
+
+    def last() -> dict[str, np.ndarray]:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "data-00001.arrow").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        later_written.set()
+        return rows(2, 4)
+
+    with ShardWriter(store, threads=3) as writer:
+        writer.put(PendingShard(0, 1, first))
+        writer.put(PendingShard(1, 2, lambda: rows(1, 2)))
+        writer.put(PendingShard(2, 4, last))
+    assert [(s.file, s.end) for s in store.manifest.shards] == [
+        ("data-00000.arrow", 1),
+        ("data-00001.arrow", 2),
+        ("data-00002.arrow", 4),
+    ]
+    assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
+
+
+def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
+    tmp_path: Path,
+) -> None:
+    store = open_store(tmp_path)
+
+    def broken() -> dict[str, np.ndarray]:
+        raise RuntimeError("column build failed")
+
+    with pytest.raises(RuntimeError, match="column build failed"):  # noqa: PT012
+        with ShardWriter(store, threads=3) as writer:
+            writer.put(PendingShard(0, 1, lambda: rows(0, 1)))
+            writer.put(PendingShard(1, 2, broken))
+            writer.put(PendingShard(2, 3, lambda: rows(2, 3)))
+            writer.close()
+    assert [s.end for s in store.manifest.shards] == [1]
+    reopened = open_store(tmp_path)  # shard 2 may have been written: unlisted, it goes
+    assert sorted(p.name for p in tmp_path.glob("data-*")) == ["data-00000.arrow"]
+    reopened.commit(1, 3, rows(1, 3), {})
+    assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 3)["prompt"])
 
 
 # -- site values in their stored dtype -----------------------------------------------------

@@ -41,6 +41,7 @@ from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.store import (
     COLUMN_DTYPE,
     STORED_DTYPES,
+    WRITER_THREADS,
     ActivationStore,
     Columns,
     PendingShard,
@@ -51,12 +52,12 @@ from vinterp.store import (
 )
 from vinterp.wire.specs import Capture, RequestSpecs
 
-# Shard sizes of host memory in use at once: a shard's captures while they are taken and read
-# (the workers' copy and the front end's), its columns, one shard waiting in the queue, one
-# being written, and the rows of the prompts queued in the engine.
-SHARDS_IN_FLIGHT = 6
-# A shard holds at most the rows of this many full engine steps, so that writing it overlaps
-# the engine's next steps from early on and the last write after the engine is done is short.
+# Shards of host memory in hand at once: each the writer holds (`WRITER_THREADS` being
+# written, one queued), as captured rows and as columns where these are copies of them.
+SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + 1)
+# A shard holds the prompts of at most this many full engine steps, so that writing it
+# overlaps the engine's next steps from early on and the last write after the engine is done
+# is short.
 STEPS_PER_SHARD = 4
 TOKENIZE_CHUNK = 1024
 
@@ -94,8 +95,9 @@ def extract(
     }
     columns |= {site: (COLUMN_DTYPE[dtype], spec["hidden_size"]) for site in sites}
     about = {"prompts": source.description, "columns": {k: v[0] for k, v in columns.items()}}
-    shard_bytes = shard_size(limits, row_size(columns), buffer_gb)
-    store = ActivationStore.open(out, spec, columns, shard_bytes, about)
+    shard_bytes = max(int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT, row_size(columns))
+    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
+    store = ActivationStore.open(out, spec, columns, shard_bytes, about, shard_tokens)
     if not store.manifest.complete:
         queued = QUEUED_STEPS * (limits.step_tokens or 1)
         run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
@@ -139,15 +141,6 @@ def extraction_spec(
     }
 
 
-def shard_size(limits: EngineLimits, row_bytes: int, buffer_gb: float) -> int:
-    """Bytes of rows per shard: a sixth of the buffer, at most STEPS_PER_SHARD engine steps,
-    at least one row."""
-    size = int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT
-    if limits.step_tokens is not None:
-        size = min(size, STEPS_PER_SHARD * limits.step_tokens * row_bytes)
-    return max(size, row_bytes)
-
-
 # Engine steps' worth of prompt tokens kept queued in the engine while extracting: enough that
 # it never waits for the next prompts, few enough that captures awaiting their take stay small.
 QUEUED_STEPS = 4
@@ -186,6 +179,7 @@ def run(
         spec["max_prompt_len"],
         row_size(store.columns),
         manifest.shard_bytes,
+        manifest.shard_tokens,
     )
     backend = llm.backend
     started: deque[ShardRun] = deque()  # in input order
@@ -283,8 +277,23 @@ def shard_columns(
         per_prompt.append({site: t[len(t) - n :] for site, t in tensors.items()})
     stored = store.manifest.spec["dtype"]
     for site in sites:
-        values[site] = column_values(torch.cat([p[site] for p in per_prompt]), stored)
+        values[site] = column_values(joined([p[site] for p in per_prompt]), stored)
     return values
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts one after the other: a view when they already lie so in one block (every
+    position of a shard's prompts, as the workers hand them over), else a copy."""
+    first = parts[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for part in parts:
+        if part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
+            return torch.cat(parts)
+        if not part.is_contiguous():
+            return torch.cat(parts)
+        offset += part.numel()
+    rows = sum(len(part) for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def summary(store: ActivationStore, seconds: float, tokens: int) -> str:

@@ -79,17 +79,20 @@ def plan_shards(
     max_prompt_len: int | None,
     row_bytes: int,
     shard_bytes: int,
+    shard_tokens: int | None = None,
 ) -> Iterator[Shard]:
-    """Consecutive prompts grouped while their rows fit `shard_bytes` (a prompt with more
-    rows than that is a shard alone). Prompts longer than `max_prompt_len` are skipped and
-    counted."""
+    """Consecutive prompts grouped while their rows fit `shard_bytes` and their tokens
+    `shard_tokens` (a prompt over either is a shard alone). Prompts longer than
+    `max_prompt_len` are skipped and counted."""
     shard: Shard | None = None
     for index, ids in tokenized:
         if shard is None:
             shard = Shard(index, index)
         too_long = max_prompt_len is not None and len(ids) > max_prompt_len
         rows = np.zeros(0, np.int32) if too_long else selected(positions, skip_first, len(ids))
-        if shard.prompts and (shard.rows + len(rows)) * row_bytes > shard_bytes:
+        over_bytes = (shard.rows + len(rows)) * row_bytes > shard_bytes
+        over_tokens = shard_tokens is not None and shard.counts[TOKENS] + len(ids) > shard_tokens
+        if shard.prompts and (over_bytes or over_tokens):
             yield shard
             shard = Shard(index, index)
         shard.end = index + 1

@@ -32,6 +32,7 @@ MIN_FREE = 8 << 30  # /dev/shm is used when it has this much room, else the syst
 INLINE_BYTES = 1 << 20  # blocks smaller than this travel inline
 WAIT_SECONDS = 600.0  # for a file the worker has not finished (its writes are queued)
 PART, ERROR = ".part", ".error"
+WRITE_THREADS = 2  # files a worker writes at once
 
 
 def host_key() -> str:
@@ -137,23 +138,33 @@ class FileWriter:
             ready = torch.cuda.Event()
             ready.record()
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vinterp-capture-files")
+            self._pool = ThreadPoolExecutor(
+                WRITE_THREADS, thread_name_prefix="vinterp-capture-files"
+            )
         self._pool.submit(self._write, values, ready, directory / name)
         dtype = str(values.dtype).removeprefix("torch.")
         return {"dtype": dtype, "shape": list(values.shape), "file": name}
 
     def _write(self, values: torch.Tensor, ready: Any, path: Path) -> None:
+        """Copy the rows straight into the mapped file (from the device on a stream of its
+        own, after the step that computed them), then give the file its name. The file's
+        room is taken first, so a full disk is an error here, never a fault in the mapping."""
+        part = path.with_name(path.name + PART)
         try:
-            if ready is not None:
+            size = values.numel() * values.element_size()
+            with open(part, "wb") as file:
+                os.posix_fallocate(file.fileno(), 0, size)
+            mapped = torch.from_file(str(part), shared=True, size=size, dtype=torch.uint8)
+            if ready is None:
+                mapped.copy_(values.contiguous().reshape(-1).view(torch.uint8))
+            else:
                 stream = self._streams.setdefault(values.device, torch.cuda.Stream(values.device))
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    values = values.to("cpu")
-            data = values.contiguous().reshape(-1).view(torch.uint8).numpy()
-            part = path.with_name(path.name + PART)
-            with open(part, "wb") as file:
-                file.write(memoryview(data))
+                    mapped.copy_(values.contiguous().reshape(-1).view(torch.uint8))
+                stream.synchronize()
+            del mapped
             os.rename(part, path)
         except BaseException as exc:  # the front end waits for the file: tell it why not
-            path.with_name(path.name + PART).unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             path.with_name(path.name + ERROR).write_text(f"{type(exc).__name__}: {exc}")

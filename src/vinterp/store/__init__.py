@@ -7,11 +7,12 @@ from vinterp.store.files import content_hash
 from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.manifest import Manifest, SpecMismatchError, StoreError
 from vinterp.store.values import COLUMN_DTYPE, STORED_DTYPES, column_values, site_tensor
-from vinterp.store.writer import PendingShard, ShardWriter
+from vinterp.store.writer import WRITER_THREADS, PendingShard, ShardWriter
 
 __all__ = [
     "COLUMN_DTYPE",
     "STORED_DTYPES",
+    "WRITER_THREADS",
     "ActivationStore",
     "Columns",
     "Manifest",

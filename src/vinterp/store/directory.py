@@ -48,9 +48,10 @@ class ActivationStore:
         columns: hf_format.Columns,
         shard_bytes: int,
         about: dict[str, Any] | None = None,
+        shard_tokens: int | None = None,
     ) -> ActivationStore:
         """Create the dataset in `root`, or reopen the one there if its spec is `spec` (its
-        shard size is kept, so a restart cuts the same shards). SpecMismatchError for another
+        shard sizes are kept, so a restart cuts the same shards). SpecMismatchError for another
         spec or a folder holding other files, StoreError when it cannot be written."""
         root = Path(root)
         spec = json.loads(json.dumps(spec))  # the form it takes in the manifest
@@ -74,7 +75,9 @@ class ActivationStore:
                     f"{root} is not empty and holds no {MANIFEST} (found {others[:5]}); "
                     "give an empty or new directory"
                 )
-            store = cls(root, Manifest(spec, shard_bytes, about or {}), columns)
+            store = cls(
+                root, Manifest(spec, shard_bytes, about or {}, shard_tokens=shard_tokens), columns
+            )
             description = f"vinterp activations; spec in {MANIFEST}"
             files.write_json(
                 root / hf_format.DATASET_INFO, hf_format.dataset_info(columns, description)
@@ -111,26 +114,59 @@ class ActivationStore:
         self, start: int, end: int, values: dict[str, np.ndarray], counts: dict[str, int]
     ) -> ShardEntry:
         """Write the shard of prompts [start, end) (they must follow the last one) and list it."""
-        if start != self.manifest.next_prompt or end < start:
-            raise ValueError(
-                f"shard [{start}, {end}) does not follow prompt {self.manifest.next_prompt}"
-            )
+        entry = self.write(len(self.manifest.shards), start, end, values, counts)
+        try:
+            self.add([entry])
+        except ValueError:
+            (self.root / entry.file).unlink(missing_ok=True)
+            raise
+        return entry
+
+    def write(
+        self,
+        index: int,
+        start: int,
+        end: int,
+        values: dict[str, np.ndarray],
+        counts: dict[str, int],
+    ) -> ShardEntry:
+        """Write shard number `index` (prompts [start, end)) to its file, not yet listed:
+        shards may be written in any order, on several threads; `add` lists them in order.
+        A file written but never listed is removed when the directory is opened again."""
         rows = hf_format.check_columns(self.columns, values)
-        name = shard_name(len(self.manifest.shards))
+        name = shard_name(index)
         try:
             size = files.write_atomic(
                 self.root / name, lambda f: hf_format.write_shard(f, self.columns, values)
             )
-            entry = ShardEntry(name, start, end, rows, size, dict(counts))
-            self.manifest.shards.append(entry)
+        except OSError as exc:
+            raise self._write_error(name, exc) from exc
+        return ShardEntry(name, start, end, rows, size, dict(counts))
+
+    def add(self, entries: list[ShardEntry]) -> None:
+        """List written shards (each following the one before) with one manifest save."""
+        expected = self.manifest.next_prompt
+        for k, entry in enumerate(entries):
+            if entry.start != expected or entry.end < entry.start:
+                raise ValueError(
+                    f"shard [{entry.start}, {entry.end}) does not follow prompt {expected}"
+                )
+            if entry.file != shard_name(len(self.manifest.shards) + k):
+                raise ValueError(f"shard {entry.file} is not shard {len(self.manifest.shards) + k}")
+            expected = entry.end
+        self.manifest.shards += entries
+        try:
             self.save()
         except OSError as exc:
-            raise StoreError(
-                f"cannot write shard {name} in {self.root}: {exc}; the finished shards stay "
-                "valid, and the same extraction run again continues after them"
-            ) from exc
-        self.bytes_written += size
-        return entry
+            del self.manifest.shards[-len(entries) :]
+            raise self._write_error(entries[-1].file, exc) from exc
+        self.bytes_written += sum(entry.bytes for entry in entries)
+
+    def _write_error(self, name: str, exc: OSError) -> StoreError:
+        return StoreError(
+            f"cannot write shard {name} in {self.root}: {exc}; the finished shards stay "
+            "valid, and the same extraction run again continues after them"
+        )
 
     def finish(self) -> None:
         """Mark the dataset complete."""

@@ -41,10 +41,11 @@ class ShardEntry:
 @dataclass
 class Manifest:
     spec: dict[str, Any]
-    shard_bytes: int
+    shard_bytes: int  # a shard's rows fit this many bytes (a longer prompt is a shard alone)
     about: dict[str, Any] = field(default_factory=dict)
     shards: list[ShardEntry] = field(default_factory=list)
     complete: bool = False
+    shard_tokens: int | None = None  # and its prompts this many tokens, where set
 
     @property
     def next_prompt(self) -> int:
@@ -69,6 +70,7 @@ class Manifest:
             "about": self.about,
             "totals": self.totals(),
             "shard_bytes": self.shard_bytes,
+            "shard_tokens": self.shard_tokens,
             "shards": [asdict(s) for s in self.shards],
         }
 
@@ -84,6 +86,7 @@ class Manifest:
                 data.get("about", {}),
                 [ShardEntry(**s) for s in data["shards"]],
                 bool(data["complete"]),
+                data.get("shard_tokens"),
             )
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc

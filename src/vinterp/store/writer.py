@@ -1,6 +1,8 @@
-"""Shards written on a thread while the caller computes the next ones. The queue is bounded:
-at most `queued` shards wait, so memory stays within a few shards whatever the dataset's
-size, and a caller that outpaces the disk waits at most for one shard write."""
+"""Shards built and written on threads while the caller computes the next ones. Several shards
+are written at once (each file on its own thread: building the columns, copying them into
+the file and waiting for the disk overlap), and listed in the manifest in order by one
+committer thread. At most `threads + queued` shards are in hand at once, so memory stays
+within a few shards whatever the dataset's size, and a caller that outpaces the disk waits."""
 
 from __future__ import annotations
 
@@ -8,18 +10,24 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import numpy as np
 
 from vinterp.store.directory import ActivationStore
+from vinterp.store.manifest import ShardEntry
+
+# Shards written at once: enough to keep a disk and the column copies busy while one shard
+# waits for its captured rows.
+WRITER_THREADS = 4
 
 
 @dataclass
 class PendingShard:
-    """Prompts [start, end) and how to build their columns; `build` runs on the writer
-    thread, so turning captured tensors into arrays overlaps the next shard's compute too."""
+    """Prompts [start, end) and how to build their columns; `build` runs on a writer thread,
+    so turning captured tensors into arrays overlaps the next shards' compute too."""
 
     start: int
     end: int
@@ -31,31 +39,38 @@ _DONE = None  # the queue's end marker
 
 
 class ShardWriter:
-    """Commits queued shards to `store` in order; `close` (or leaving the `with` block) waits
-    for them. A write error is raised in the caller at its next `put` or at `close`."""
+    """Writes queued shards to `store` on `threads` threads and lists them in order; `close`
+    (or leaving the `with` block) waits for them. An error is raised in the caller at its next
+    `put` or at `close`; shards listed before it stay valid."""
 
-    def __init__(self, store: ActivationStore, queued: int = 1) -> None:
+    def __init__(
+        self, store: ActivationStore, threads: int = WRITER_THREADS, queued: int = 1
+    ) -> None:
         self.store = store
-        self._queue: queue.Queue[PendingShard | None] = queue.Queue(maxsize=queued)
+        self._next = len(store.manifest.shards)  # the number of the next shard put
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vinterp-shard-writer")
+        self._slots = threading.Semaphore(threads + queued)  # shards in hand at most
+        self._queue: queue.Queue[Future[ShardEntry] | None] = queue.Queue()  # in order
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="vinterp-shard-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="vinterp-shard-lister", daemon=True)
         self._thread.start()
 
     def put(self, shard: PendingShard) -> None:
-        """Queue a shard; waits while the queue is full."""
-        while True:
+        """Start writing a shard; waits while `threads + queued` shards are in hand."""
+        while not self._slots.acquire(timeout=0.1):
             self._raise()
-            try:
-                self._queue.put(shard, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        if self._error is not None:
+            self._slots.release()
+            self._raise()
+        self._queue.put(self._pool.submit(self._write, self._next, shard))
+        self._next += 1
 
     def close(self) -> None:
-        """Write what is queued, stop the thread, raise its error if it had one."""
+        """Write and list what was put, stop the threads, raise the first error if any."""
         if self._thread.is_alive():
             self._queue.put(_DONE)
             self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._raise()
 
     def __enter__(self) -> ShardWriter:
@@ -67,31 +82,45 @@ class ShardWriter:
         if exc is None:
             self.close()
             return
-        with contextlib.suppress(Exception):  # queued shards are complete: keep them
+        with contextlib.suppress(Exception):  # shards written before the error: keep them
             self.close()
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _run(self) -> None:
-        while self._write_next():
-            pass
-
-    def _write_next(self) -> bool:
-        """Commit the next queued shard (False at the end marker). The captured data its
-        `build` holds is let go before the write, so it is not held twice."""
-        shard = self._queue.get()
-        if shard is _DONE:
-            return False
-        if self._error is not None:
-            return True  # keep draining, so a waiting `put` returns and sees the error
+    def _write(self, index: int, shard: PendingShard) -> ShardEntry:
+        """Build and write one shard's file (on a pool thread). The captured data `build`
+        holds is let go before the write, so it is not held twice."""
         start, end, counts, build = shard.start, shard.end, shard.counts, shard.build
         del shard
-        try:
-            values = build()
-            del build
-            self.store.commit(start, end, values, counts)
-        except BaseException as exc:
-            self._error = exc
-        return True
+        values = build()
+        del build
+        return self.store.write(index, start, end, values, counts)
+
+    def _run(self) -> None:
+        """List the shards in order, those already written together with one manifest save.
+        After an error nothing more is listed; what is put is still drained."""
+        while (written := self._queue.get()) is not _DONE:
+            batch = [written]
+            while self._queue.qsize():  # only this thread takes from the queue
+                head = self._queue.queue[0]
+                if head is _DONE or not head.done():
+                    break
+                batch.append(self._queue.get())
+            entries = []
+            for future in batch:
+                if self._error is not None:
+                    future.cancel()
+                    continue
+                try:
+                    entries.append(future.result())
+                except BaseException as exc:
+                    self._error = exc
+            try:
+                if entries:
+                    self.store.add(entries)
+            except BaseException as exc:
+                self._error = exc
+            for _ in batch:
+                self._slots.release()
