@@ -18,6 +18,7 @@ import torch
 
 from vinterp.api import extract as extract_module
 from vinterp.api.extract import engine_settings
+from vinterp.engine.rpc_later import collective_rpc_later
 from vinterp.store import SpecMismatchError
 
 pytestmark = pytest.mark.engine("tiny")
@@ -157,6 +158,14 @@ def test_rows_equal_the_transformers_backends_with_one_prompt_queued_at_a_time(
         assert torch.equal(got[name], want[name]), name
     for site in SITES:
         assert float((got[site] - want[site]).norm() / want[site].norm()) <= 1e-4, site
+
+
+def test_a_worker_call_sent_without_waiting_gets_the_answer_collective_rpc_gets(
+    engines: Any, tiny_llama: Any
+) -> None:
+    native = engines.vllm(tiny_llama).backend.llm
+    later = collective_rpc_later(native, "vinterp_step_stats")
+    assert later(timeout=60) == native.collective_rpc("vinterp_step_stats")
 
 
 def test_positions_skip_first_dtype_and_too_long_prompts(

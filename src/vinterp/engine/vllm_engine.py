@@ -9,7 +9,6 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from vinterp.engine.config_keys import (
 )
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
+from vinterp.engine.rpc_later import collective_rpc_later
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_buffers import (
     buffer_rows_setting,
@@ -287,12 +287,12 @@ class VLLMEngine:
         return self.take_captures_later(capture_ids)()
 
     def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]:
-        """Take the rows from the workers now; the returned call gives them once the workers
-        have written them (`capture_files`), so its wait can run on another thread while the
-        engine computes."""
+        """Ask the workers for the rows now, without waiting for the engine's step to end;
+        the returned call gives them once the workers have answered and written them
+        (`capture_files`), so its wait can run on another thread while the engine computes."""
         args = (capture_ids, self._handoff.request())
-        blocks = self.llm.collective_rpc("vinterp_take_captures", args=args)
-        return partial(merge_captures, blocks, self._handoff.tensor)
+        answers = collective_rpc_later(self.llm, "vinterp_take_captures", args)
+        return lambda: merge_captures(answers(), self._handoff.tensor)
 
     def stream(
         self, requests: Iterable[StreamRequest], queued_tokens: int
