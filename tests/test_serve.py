@@ -38,6 +38,7 @@ DISTINCT = [
 ]
 AFTER = vinterp.Capture(["layers.20.output"], positions="last_prompt")
 STEP_TOKENS = 1024  # the server's max_num_batched_tokens
+BODY_MB = 1  # the server's --max-body-mb
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -105,6 +106,7 @@ def server(reference) -> Iterator[str]:
     # the compiled path is what the reference engine and the rest of the suite test
     command = [sys.executable, "-m", "vinterp.cli", "serve", "--port", str(port), "--enforce-eager"]
     command.append(f"--max-num-batched-tokens={STEP_TOKENS}")  # a step a trace can outgrow
+    command += ["--max-body-mb", str(BODY_MB)]
     # with the applied check, every steered or captured answer below has passed it
     env = {**os.environ, "VINTERP_CHECK_APPLIED": "1"}
     proc = subprocess.Popen(
@@ -387,6 +389,17 @@ def test_malformed_traces_get_a_400_and_the_server_serves_on(client, server, ref
     r = httpx.post(url, json={"graph": graph}, headers=headers, timeout=120)
     assert r.status_code == 200 and r.json()["failure"] is None
     assert traces(client)["samples"] == reference["traces"]["samples"]  # serves on
+
+
+def test_bodies_over_the_limit_get_a_413_and_the_server_serves_on(server, client) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = b'{"prompt": "' + b"x" * (BODY_MB << 20) + b'"}'
+    for path in ("/v1/vinterp/trace", "/v1/completions", "/v1/vinterp/steering"):
+        send = httpx.put if path.endswith("steering") else httpx.post
+        r = send(server + path, content=big, headers=headers, timeout=120)
+        assert r.status_code == 413, (path, r.status_code, r.text[:300])
+        assert "--max-body-mb" in r.json()["error"]["message"], path
+    assert traces(client)["samples"]  # serves on
 
 
 def test_out_of_order_trace_is_refused_with_its_cause(client) -> None:

@@ -1,5 +1,6 @@
 """Every decoder of data from another process or a client returns a value or raises its own
-error with a message, whatever it is given (never AttributeError, TypeError, KeyError...).
+error with a message, whatever it is given (never AttributeError, TypeError, KeyError...),
+and none of them runs code or unpickles on the way (`no_code_from_data`).
 
 Random bytes never get past a decoder's first check (DESIGN.md lesson 12), so these tests
 start from valid inputs — graphs recorded by real traces, specs, captures, saved values — and
@@ -10,15 +11,22 @@ get deep into the decoders (checked by `test_mutants_get_past_the_first_checks`)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import marshal
 import math
+import pickle
 import random
 import re
+import sys
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from hypothesis import given, note, settings
@@ -32,6 +40,7 @@ from vinterp.ir.ops import ALL_OPS
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.serve.fields import parse_field
+from vinterp.serve.limits import ServeLimits
 from vinterp.serve.routes import BadRequest, decode_trace
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.errors import WireError
@@ -168,16 +177,88 @@ def mutated(value: Any, rnd: random.Random, odd_values: tuple[Any, ...]) -> tupl
     return (root[0] if root else None), done
 
 
+class CodeFromData(BaseException):
+    """A decoder reached pickle, marshal, eval, exec or compile (not an Exception, so no
+    decoder's error handling can swallow it)."""
+
+
+_GUARDED = threading.local()
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """Python's audit events while a decoder runs: unpickling a class, unmarshalling, and
+    running or compiling code that comes from no file (a string: what eval and exec run;
+    imports run code from their modules' files)."""
+    if not getattr(_GUARDED, "on", False):
+        return
+    if event in ("pickle.find_class", "marshal.loads", "marshal.load"):
+        raise CodeFromData(f"{event}{args!r:.200}")
+    if event == "exec" and str(getattr(args[0], "co_filename", "<?>")).startswith("<"):
+        raise CodeFromData(f"exec of {args[0]!r:.200}")
+    if event == "compile" and str(args[1]).startswith("<"):
+        raise CodeFromData(f"compile of {args[0]!r:.200}")
+
+
+sys.addaudithook(_audit)  # cannot be removed: it acts only inside no_code_from_data
+
+
+def _refuse(name: str) -> Callable[..., Any]:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise CodeFromData(f"{name} called")
+
+    return refused
+
+
+@contextlib.contextmanager
+def no_code_from_data() -> Iterator[None]:
+    """Every way to run code or unpickle fails while the block runs: pickle's and torch's
+    loaders refuse, and the audit hook catches what reaches the interpreter by other routes
+    (eval, exec, compile of a string, an unpickled class)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in (
+            (pickle, "loads"),
+            (pickle, "load"),
+            (pickle, "Unpickler"),
+            (marshal, "loads"),
+            (torch, "load"),
+            (numpy, "load"),
+        ):
+            patch.setattr(module, name, _refuse(f"{module.__name__}.{name}"))
+        _GUARDED.on = True
+        try:
+            yield
+        finally:
+            _GUARDED.on = False
+
+
 def returns_or_raises(
     decode: Callable[..., Any], *args: Any, errors: tuple[type[Exception], ...] = (WireError,)
 ) -> Any:
     """The decoder's result, or None when it raised one of its own errors with a message;
-    any other exception fails the test."""
+    any other exception fails the test, as does running code or unpickling on the way."""
     try:
-        return decode(*args)
+        with no_code_from_data():
+            return decode(*args)
     except errors as exc:
         assert str(exc).strip(), f"{type(exc).__name__} without a message"
         return None
+
+
+@pytest.mark.parametrize(
+    "reach",
+    [
+        lambda: pickle.loads(pickle.dumps(1)),
+        lambda: pickle.Unpickler(io.BytesIO(pickle.dumps(SimpleNamespace()))).load(),
+        lambda: eval("1 + 1"),
+        lambda: exec("x = 1", {}),
+        lambda: compile("1", "<client>", "eval"),
+        lambda: torch.load(io.BytesIO()),
+        lambda: marshal.loads(marshal.dumps(1)),
+    ],
+)
+def test_the_guard_catches_every_way_to_run_code(reach: Callable[[], Any]) -> None:
+    with pytest.raises(CodeFromData), no_code_from_data():
+        reach()
 
 
 # -- valid inputs --------------------------------------------------------------------------
@@ -280,7 +361,9 @@ def test_mutated_trace_requests_get_clear_errors(graph_wires, rnd, stages) -> No
     """The server's path for POST /v1/vinterp/trace: JSON (base64 bytes) -> graph -> plan."""
     body, done = mutated({"graph": payload_to_json(rnd.choice(graph_wires))}, rnd, ODD_VALUES)
     note(done)
-    returns_or_raises(decode_trace, body, CONFIG, stages, errors=(BadRequest, WireError, PlanError))
+    limit = ServeLimits()
+    errors = (BadRequest, WireError, PlanError)
+    returns_or_raises(decode_trace, body, CONFIG, stages, limit, errors=errors)
 
 
 @settings(max_examples=800, deadline=None)

@@ -10,6 +10,7 @@ from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
 from vinterp.bench.workloads import WORKLOADS
 from vinterp.models.tiny import SHAPES
+from vinterp.serve.limits import ServeLimits
 
 SHAPE_NAMES = tuple(SHAPES)
 
@@ -160,6 +161,16 @@ def _peer_list(text: str) -> list[str]:
 
 def _serve(args: argparse.Namespace) -> None:
     from vinterp.serve.launch import serve
+    from vinterp.serve.limits import to_environment
+
+    given = {
+        "body_bytes": args.max_body_mb and args.max_body_mb << 20,
+        "nodes": args.max_trace_nodes,
+        "invokes": args.max_trace_invokes,
+        "max_tokens": args.max_trace_tokens,
+        "traces_per_key": args.max_traces_per_key,
+    }
+    to_environment(ServeLimits(**{k: v for k, v in given.items() if v is not None}))
 
     serve(args.model, args.host, args.port, args.api_key, args.rest, args.capture_in_graph)
 
@@ -205,6 +216,16 @@ def _positions(text: str) -> str | list[int]:
         raise argparse.ArgumentTypeError(
             "expected all_prompt, last_prompt or positions like 0,5,9"
         ) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}")
+    return value
 
 
 def _workload_list(text: str) -> list[str]:
@@ -332,6 +353,17 @@ def main(argv: list[str] | None = None) -> None:
         help="capture inside the compiled model, at every site or at the comma-separated SITES "
         "(as vinterp.LLM(capture_in_graph=True or [sites]))",
     )
+    defaults = ServeLimits()
+    for flag, field, what in (
+        ("--max-body-mb", "body_bytes", "request body, MiB (larger: 413 before it is read)"),
+        ("--max-trace-nodes", "nodes", "nodes of one trace"),
+        ("--max-trace-invokes", "invokes", "invokes of one trace"),
+        ("--max-trace-tokens", "max_tokens", "max_tokens of one trace invoke"),
+        ("--max-traces-per-key", "traces_per_key", "traces one API key runs at once (more: 429)"),
+    ):
+        default = getattr(defaults, field)
+        default = default >> 20 if field == "body_bytes" else default
+        serve.add_argument(flag, type=_positive, default=None, help=f"{what}; default {default}")
     serve.set_defaults(run=_serve)
     extract = commands.add_parser(
         "extract", help="write activations of many prompts to a Hugging Face datasets folder"

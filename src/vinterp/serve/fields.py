@@ -20,6 +20,8 @@ from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import unapplied_error
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
+from vinterp.serve import limits
+from vinterp.serve.limits import LimitError, read_body
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
@@ -83,7 +85,10 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     if request.method != "POST" or request.url.path not in PATHS:
         return await call_next(request)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await read_body(request, limits.current().body_bytes))
+    except LimitError as exc:
+        error = {"message": str(exc), "type": "RequestTooLargeError", "code": exc.status}
+        return JSONResponse({"error": error}, status_code=exc.status)
     except ValueError:
         return await call_next(request)  # vLLM answers a malformed body itself
     if not isinstance(body, dict):

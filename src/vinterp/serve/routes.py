@@ -4,8 +4,9 @@
 Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
 `vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
 trace arrives as the graph's wire form in JSON: data, validated against the whitelist and
-the limits below before anything reaches the engine; nothing from the client is executed or
-unpickled. Every malformed request gets a 400 that names the problem.
+the server's limits (`serve/limits.py`) before anything reaches the engine; nothing from the
+client is executed or unpickled. Every malformed request gets a 400 that names the problem, a
+body over the limit a 413, a trace over its key's running traces a 429.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
+from vinterp.serve import limits
+from vinterp.serve.limits import LimitError, TraceGate, read_body
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -31,8 +34,6 @@ from vinterp.wire.json_form import payload_from_json, saved_to_json
 from vinterp.wire.specs import Steering
 
 PLUGIN_NAME = "vinterp_routes"
-# What one trace may ask of a shared server (the wire decoder's own cap is far higher).
-LIMITS = {"body_bytes": 256 << 20, "nodes": 100_000, "invokes": 1024, "max_tokens": 4096}
 
 
 @dataclass
@@ -48,9 +49,10 @@ class BadRequest(ValueError):
     pass
 
 
-def _bad_request(message: str, **extra: Any) -> JSONResponse:
-    error = {"message": message, "type": "BadRequestError", "code": 400, **extra}
-    return JSONResponse({"error": error}, status_code=400)
+def _bad_request(message: str, status: int = 400, **extra: Any) -> JSONResponse:
+    kind = {413: "RequestTooLargeError", 429: "TooManyRequestsError"}.get(status, "BadRequestError")
+    error = {"message": message, "type": kind, "code": status, **extra}
+    return JSONResponse({"error": error}, status_code=status)
 
 
 def _engine(request: Request) -> Any:
@@ -62,9 +64,7 @@ def _config(request: Request) -> Any:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > LIMITS["body_bytes"]:
-        raise BadRequest(f"body of {len(body)} bytes; the limit is {LIMITS['body_bytes']}")
+    body = await read_body(request, limits.current().body_bytes)
     try:
         return json.loads(body)
     except ValueError:
@@ -100,23 +100,28 @@ async def stats(request: Request) -> JSONResponse:
     return JSONResponse((await _engine(request).collective_rpc("vinterp_step_stats"))[0])
 
 
-def decode_trace(body: Any, config: Any, stages: int) -> tuple[dict[str, Any], Graph, Any]:
+def decode_trace(
+    body: Any, config: Any, stages: int, limit: limits.ServeLimits
+) -> tuple[dict[str, Any], Graph, Any]:
     """The request's graph (wire form, decoded graph, plan), within the server's limits."""
     if not isinstance(body, dict) or set(body) != {"graph"}:
         raise BadRequest("expected {graph: the trace's wire form}")
     nodes = body["graph"].get("nodes") if isinstance(body["graph"], dict) else None
-    if isinstance(nodes, list) and len(nodes) > LIMITS["nodes"]:
-        raise BadRequest(f"{len(nodes)} nodes; the limit is {LIMITS['nodes']}")
+    if isinstance(nodes, list) and len(nodes) > limit.nodes:
+        raise BadRequest(f"{len(nodes)} nodes; the limit is {limit.nodes} (--max-trace-nodes)")
     wire = payload_from_json(body["graph"])
     order = SiteOrder(int(config.num_hidden_layers))
     graph = from_wire(wire, order)
-    if len(graph.invokes) > LIMITS["invokes"]:
-        raise BadRequest(f"{len(graph.invokes)} invokes; the limit is {LIMITS['invokes']}")
+    if len(graph.invokes) > limit.invokes:
+        raise BadRequest(
+            f"{len(graph.invokes)} invokes; the limit is {limit.invokes} (--max-trace-invokes)"
+        )
     for k, invoke in enumerate(graph.invokes):
         max_tokens = invoke.sampling.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or not 0 < max_tokens <= LIMITS["max_tokens"]:
+        if not isinstance(max_tokens, int) or not 0 < max_tokens <= limit.max_tokens:
             raise BadRequest(
-                f"invoke {k}: max_tokens {max_tokens!r:.20} must be 1..{LIMITS['max_tokens']}"
+                f"invoke {k}: max_tokens {max_tokens!r:.20} must be 1..{limit.max_tokens} "
+                "(--max-trace-tokens)"
             )
     plan = make_plan(graph, order, last_stage_start(order.num_layers, stages))
     return wire, graph, plan
@@ -125,19 +130,25 @@ def decode_trace(body: Any, config: Any, stages: int) -> tuple[dict[str, Any], G
 @router.post("/v1/vinterp/trace")
 async def trace(request: Request) -> JSONResponse:
     """Run one serialized trace; its outputs, saves and failure (one that names the line)."""
-    engine = _engine(request)
+    engine, limit = _engine(request), limits.current()
     stages = engine.vllm_config.parallel_config.pipeline_parallel_size
     try:
-        wire, graph, plan = decode_trace(await _json_body(request), _config(request), stages)
+        body = await _json_body(request)
+        wire, graph, plan = decode_trace(body, _config(request), stages, limit)
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
+    except LimitError as exc:
+        return _bad_request(str(exc), exc.status)
     except (BadRequest, WireError) as exc:
         return _bad_request(str(exc))
     from vinterp.engine.async_vllm_engine import run_trace
     from vinterp.engine.vllm_engine import collected_result
 
     try:
-        outputs, per_worker = await run_trace(engine, wire, graph, plan)
+        async with request.app.state.vinterp_traces.enter(request, limit.traces_per_key):
+            outputs, per_worker = await run_trace(engine, wire, graph, plan)
+    except LimitError as exc:
+        return _bad_request(str(exc), exc.status)
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
     except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
@@ -193,6 +204,8 @@ async def put_steering(request: Request) -> JSONResponse:
             raise BadRequest(
                 'expected {"global": [steering, ...]} or {"name": ..., "steering": ...}'
             )
+    except LimitError as exc:
+        return _bad_request(str(exc), exc.status)
     except (BadRequest, WireError, ValueError) as exc:
         return _bad_request(str(exc))
     return await get_steering(request)
@@ -224,3 +237,4 @@ class VinterpRoutes:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.vinterp_steering = ServedSteering()
+        state.vinterp_traces = TraceGate()
