@@ -287,9 +287,8 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     first = parts[0]
     offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
     for part in parts:
-        if part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
-            return torch.cat(parts)
-        if not part.is_contiguous():
+        same_block = part.untyped_storage().data_ptr() == storage
+        if not (same_block and part.storage_offset() == offset and part.is_contiguous()):
             return torch.cat(parts)
         offset += part.numel()
     rows = sum(len(part) for part in parts)

@@ -87,8 +87,7 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     try:
         body = json.loads(await read_body(request, limits.current().body_bytes))
     except LimitError as exc:
-        error = {"message": str(exc), "type": "RequestTooLargeError", "code": exc.status}
-        return JSONResponse({"error": error}, status_code=exc.status)
+        return exc.response()
     except ValueError:
         return await call_next(request)  # vLLM answers a malformed body itself
     if not isinstance(body, dict):

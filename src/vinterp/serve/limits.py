@@ -6,6 +6,7 @@ through one environment variable, as JSON."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import defaultdict
@@ -14,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from pydantic import BaseModel, ConfigDict, PositiveInt
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 ENV = "VINTERP_SERVE_LIMITS"
 
@@ -30,7 +32,12 @@ class ServeLimits(BaseModel):
 
 def current() -> ServeLimits:
     """The limits this server was started with (`ENV`), else the defaults."""
-    text = os.environ.get(ENV)
+    return _parsed(os.environ.get(ENV))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str | None) -> ServeLimits:
+    """Validated once per setting, not on every request."""
     return ServeLimits.model_validate_json(text) if text else ServeLimits()
 
 
@@ -39,11 +46,18 @@ def to_environment(limits: ServeLimits) -> None:
 
 
 class LimitError(ValueError):
-    """A request over a limit; `status` is its HTTP status (413, 429 or 400)."""
+    """A request over a limit; `status` is its HTTP status (413 or 429)."""
+
+    KINDS = {413: "RequestTooLargeError", 429: "TooManyRequestsError"}
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+    def response(self) -> JSONResponse:
+        """The refusal in the error form of vLLM's server."""
+        error = {"message": str(self), "type": self.KINDS[self.status], "code": self.status}
+        return JSONResponse({"error": error}, status_code=self.status)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

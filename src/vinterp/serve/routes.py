@@ -49,10 +49,9 @@ class BadRequest(ValueError):
     pass
 
 
-def _bad_request(message: str, status: int = 400, **extra: Any) -> JSONResponse:
-    kind = {413: "RequestTooLargeError", 429: "TooManyRequestsError"}.get(status, "BadRequestError")
-    error = {"message": message, "type": kind, "code": status, **extra}
-    return JSONResponse({"error": error}, status_code=status)
+def _bad_request(message: str, **extra: Any) -> JSONResponse:
+    error = {"message": message, "type": "BadRequestError", "code": 400, **extra}
+    return JSONResponse({"error": error}, status_code=400)
 
 
 def _engine(request: Request) -> Any:
@@ -138,7 +137,7 @@ async def trace(request: Request) -> JSONResponse:
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
     except LimitError as exc:
-        return _bad_request(str(exc), exc.status)
+        return exc.response()
     except (BadRequest, WireError) as exc:
         return _bad_request(str(exc))
     from vinterp.engine.async_vllm_engine import run_trace
@@ -148,7 +147,7 @@ async def trace(request: Request) -> JSONResponse:
         async with request.app.state.vinterp_traces.enter(request, limit.traces_per_key):
             outputs, per_worker = await run_trace(engine, wire, graph, plan)
     except LimitError as exc:
-        return _bad_request(str(exc), exc.status)
+        return exc.response()
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
     except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
@@ -205,7 +204,7 @@ async def put_steering(request: Request) -> JSONResponse:
                 'expected {"global": [steering, ...]} or {"name": ..., "steering": ...}'
             )
     except LimitError as exc:
-        return _bad_request(str(exc), exc.status)
+        return exc.response()
     except (BadRequest, WireError, ValueError) as exc:
         return _bad_request(str(exc))
     return await get_steering(request)
