@@ -17,9 +17,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from vinterp.api.extract import shard_columns
+from vinterp.api.extract import joined, shard_columns
 from vinterp.api.extract_plan import (
     NO_ROWS,
+    TOKENS,
     TOO_LONG,
     Prompt,
     check_positions,
@@ -433,6 +434,30 @@ def test_shards_are_cut_from_the_prompt_lengths_alone() -> None:
     # A prompt with more rows than a shard holds is a shard alone.
     big = list(plan_shards([(0, [1] * 3), (1, [1] * 20), (2, [1])], "all_prompt", 0, None, 1, 8))
     assert [(s.start, s.end) for s in big] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_shards_of_last_prompt_rows_are_also_cut_by_their_tokens() -> None:
+    """One row per prompt fits any byte budget: the token bound keeps such shards to a few
+    engine steps' prompts, and a restart cuts the same shards."""
+    tokenized = [(i, list(range(n))) for i, n in enumerate([4, 4, 3, 9, 2, 2, 2])]
+    args = ("last_prompt", 0, None, 1, 1000)
+    assert [(s.start, s.end) for s in plan_shards(tokenized, *args)] == [(0, 7)]
+    plan = list(plan_shards(tokenized, *args, shard_tokens=8))
+    assert [(s.start, s.end) for s in plan] == [(0, 2), (2, 3), (3, 4), (4, 7)]
+    assert [s.counts[TOKENS] for s in plan] == [8, 3, 9, 6]  # 9 tokens: a shard alone
+    for k, shard in enumerate(plan):
+        rest = plan_shards(tokenized[shard.start :], *args, shard_tokens=8)
+        assert [(s.start, s.end) for s in rest] == [(s.start, s.end) for s in plan[k:]]
+
+
+def test_rows_lying_in_order_in_one_block_are_joined_without_a_copy() -> None:
+    block = torch.arange(40.0).reshape(10, 4)
+    parts = [block[0:3], block[3:3], block[3:10]]
+    got = joined(parts)
+    assert torch.equal(got, block) and got.data_ptr() == block.data_ptr()
+    for gapped in ([block[0:3], block[4:10]], [block[3:10], block[0:3]], [block[:, :2]]):
+        got = joined(gapped)
+        assert torch.equal(got, torch.cat(gapped)) and got.data_ptr() != block.data_ptr()
 
 
 def test_prompt_sources(tmp_path: Path) -> None:
