@@ -146,24 +146,27 @@ class FileWriter:
         return {"dtype": dtype, "shape": list(values.shape), "file": name}
 
     def _write(self, values: torch.Tensor, ready: Any, path: Path) -> None:
-        """Copy the rows straight into the mapped file (from the device on a stream of its
-        own, after the step that computed them), then give the file its name. The file's
-        room is taken first, so a full disk is an error here, never a fault in the mapping."""
+        """Write the rows, then give the file its name. The file's room is taken first, so a
+        full disk is an error here, never a fault in a mapping. Rows in host memory go in
+        with one write; rows on a device are copied straight into the mapped file (on a
+        stream of their own, after the step that computed them), with no host copy between."""
         part = path.with_name(path.name + PART)
         try:
             size = values.numel() * values.element_size()
             with open(part, "wb") as file:
                 os.posix_fallocate(file.fileno(), 0, size)
-            mapped = torch.from_file(str(part), shared=True, size=size, dtype=torch.uint8)
-            if ready is None:
-                mapped.copy_(values.contiguous().reshape(-1).view(torch.uint8))
-            else:
+                if ready is None:
+                    file.write(
+                        memoryview(values.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    )
+            if ready is not None:
+                mapped = torch.from_file(str(part), shared=True, size=size, dtype=torch.uint8)
                 stream = self._streams.setdefault(values.device, torch.cuda.Stream(values.device))
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
                     mapped.copy_(values.contiguous().reshape(-1).view(torch.uint8))
                 stream.synchronize()
-            del mapped
+                del mapped
             os.rename(part, path)
         except BaseException as exc:  # the front end waits for the file: tell it why not
             part.unlink(missing_ok=True)
