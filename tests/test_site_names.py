@@ -1,5 +1,6 @@
 """The site-name grammar (sites.names.parse_site) and what it decides: the forward order's
-errors, which sites a Steering or a Capture accepts, where the HF reference reads a site."""
+errors, which sites a Steering or a Capture accepts, where the HF reference reads a site, and
+which layers of a mixture-of-experts model have router sites."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import pytest
 import torch
 
 import vinterp
-from vinterp.sites.names import SiteName, SiteOrder, UnknownSiteError, all_sites, parse_site
+from vinterp.models.tiny import tiny_config
+from vinterp.sites.modules import router_of
+from vinterp.sites.names import (
+    Router,
+    SiteName,
+    SiteOrder,
+    UnknownSiteError,
+    all_sites,
+    is_read_only,
+    parse_site,
+)
 from vinterp.sites.raw import parse_raw
 
 # The grammar as written before parse_site (an independent reference, not the code under
@@ -102,3 +113,67 @@ def test_raw_sites_have_a_module_path() -> None:
     assert parse_raw("raw.model.norm.output") == ("model.norm", "output")
     with pytest.raises(UnknownSiteError, match="not a raw site"):
         parse_raw("layers.0.output")
+
+
+ROUTER = Router(layers=(1, 3), experts=8, top_k=2)
+
+
+def test_router_sites_sit_between_the_mlp_input_and_output_of_routing_layers() -> None:
+    assert parse_site("layers.3.mlp.router.experts") == SiteName(
+        "layer", "mlp.router", "experts", 3
+    )
+    order = SiteOrder(4, ROUTER)
+    layer_1 = [s for s in order.sites if s.startswith("layers.1.")]
+    assert layer_1[3:7] == [
+        "layers.1.mlp.input",
+        "layers.1.mlp.router.output",
+        "layers.1.mlp.router.experts",
+        "layers.1.mlp.output",
+    ]
+    assert order.expand("layers.*.mlp.router.output") == [
+        "layers.1.mlp.router.output",
+        "layers.3.mlp.router.output",
+    ]
+    assert order.row_width("layers.1.mlp.router.output", 256) == 8
+    assert order.row_width("layers.1.mlp.router.experts", 256) == 2
+    assert order.row_width("layers.1.mlp.output", 256) == 256
+    assert is_read_only("layers.1.mlp.router.experts")
+    assert not is_read_only("layers.1.mlp.router.output")
+
+
+@pytest.mark.parametrize(
+    "order, name, message",
+    [
+        (SiteOrder(4), "layers.1.mlp.router.output", "this model has no router"),
+        (SiteOrder(4), "layers.*.mlp.router.experts", "this model has no router"),
+        (SiteOrder(4, ROUTER), "layers.0.mlp.router.output", "layer 0 has a dense MLP"),
+        (SiteOrder(4, ROUTER), "layers.1.mlp.router.input", "unknown site"),
+        (SiteOrder(4, ROUTER), "layers.1.attn.experts", "unknown site"),
+    ],
+)
+def test_router_sites_on_a_model_without_them_say_why(order, name, message) -> None:
+    with pytest.raises(UnknownSiteError, match=message):
+        order.expand(name) if "*" in name else order[name]
+
+
+def test_router_sites_are_captured_not_steered() -> None:
+    assert not _steerable("layers.1.mlp.router.output")
+    assert _capturable("layers.*.mlp.router.output") and _capturable("layers.1.mlp.router.experts")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_router_layers_are_those_transformers_builds_a_router_in(arch) -> None:
+    """Qwen's MoE models keep dense MLPs in `mlp_only_layers` and off `decoder_sparse_step`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = {"mlp_only_layers": [0], "decoder_sparse_step": 2} if "qwen" in arch else {}
+    config_dict = tiny_config(arch, num_hidden_layers=4, **overrides)
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    model = AutoModelForCausalLM.from_config(config)
+    routed = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
+    router = router_of(config)
+    assert router is not None and router.layers == routed
+    assert routed == ((1, 3) if "qwen" in arch else (0, 1, 2, 3))
+    experts = model.model.layers[routed[0]].mlp.gate.weight.shape[0]
+    assert (router.experts, router.top_k) == (experts, config.num_experts_per_tok)
+    assert router_of(AutoConfig.for_model("llama")) is None

@@ -1,4 +1,6 @@
-"""Each supported architecture: every standardized site on vLLM equals transformers.
+"""Each supported architecture: every standardized site on vLLM equals transformers; on
+mixture-of-experts models also the router sites, a write to the router logits, and steering
+with captures (into capture buffers, and uncompiled) at them.
 
 The engines trace each model whole with Dynamo, site ops included, as every engine does, and
 run the traced graph op by op rather than through Inductor (its C++ compile is most of an
@@ -17,8 +19,8 @@ import vllm.envs
 from vllm.config import CompilationMode
 
 import vinterp
-from vinterp.sites.modules import SUPPORTED
-from vinterp.sites.names import all_sites, parse_site
+from vinterp.sites.modules import SUPPORTED, router_of, site_order
+from vinterp.sites.names import parse_site
 from vinterp.sites.params import PROJECTIONS, param_shape
 
 PROMPT = "The capital of France is"
@@ -28,8 +30,8 @@ def site_point(llm: vinterp.LLM, site: str) -> tuple[Any, str]:
     """(object, attribute) whose attribute is the named standardized site."""
     parsed = parse_site(site)
     point: Any = llm if parsed.layer is None else llm.layers[parsed.layer]
-    if parsed.module:
-        point = getattr(point, parsed.module)
+    for name in parsed.module.split(".") if parsed.module else ():
+        point = getattr(point, name)
     return point, parsed.value
 
 
@@ -37,9 +39,18 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+def assert_equal_values(got: torch.Tensor, want: torch.Tensor, site: str) -> None:
+    """Expert ids exactly, float values to float32 rounding."""
+    assert got.shape == want.shape, site
+    if want.dtype == torch.long:
+        assert torch.equal(got, want), site
+    else:
+        assert rel_err(got, want) < 1e-4, site
+
+
 def every_site(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
     saves = {}
-    sites = [s for s in all_sites(len(llm.layers)) if s != "samples"]
+    sites = [s for s in site_order(llm.config).sites if s != "samples"]
     with llm.trace(PROMPT, max_tokens=1):
         for site in sites:
             point, which = site_point(llm, site)
@@ -72,6 +83,16 @@ def in_process() -> Iterator[None]:
 
 
 ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROUTER_SITES = ["layers.*.mlp.router.output", "layers.*.mlp.router.experts"]
+
+
+def engine_kwargs(arch: str) -> dict[str, Any]:
+    """A mixture-of-experts engine also gets capture buffers at its router sites."""
+    buffers = {"capture_in_graph": ROUTER_SITES} if arch in MIXTURES_OF_EXPERTS else {}
+    return {**TRACED_NOT_INDUCTOR, **buffers}
+
+
 WITH_HF_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 PARAMS = ["embed.weight", "lm_head.weight"] + [
     f"layers.1.{block}.{proj}.weight" for block, projs in PROJECTIONS.items() for proj in projs
@@ -88,11 +109,10 @@ def read_params(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ON_VLLM)
 def test_architecture_sites_equal_hf(engines, arch) -> None:
     path = vinterp.models.tiny(arch)
-    llm, hf = engines.vllm(path, **TRACED_NOT_INDUCTOR), engines.hf(path)
+    llm, hf = engines.vllm(path, **engine_kwargs(arch)), engines.hf(path)
     got, want = every_site(llm), every_site(hf)
     for site, value in want.items():
-        assert got[site].shape == value.shape, site
-        assert rel_err(got[site], value) < 1e-4, site
+        assert_equal_values(got[site], value, site)
     for i in range(len(llm.layers) - 1):
         assert torch.equal(got[f"layers.{i}.output"], got[f"layers.{i + 1}.input"])
     before = llm.step_stats()
@@ -111,6 +131,63 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
     else:
         with pytest.raises(vinterp.InterventionError, match="llm.raw"):
             read_params(llm)
+    if arch in MIXTURES_OF_EXPERTS:
+        check_routers(llm, hf, got)
+
+
+def check_routers(llm: vinterp.LLM, hf: vinterp.LLM, unedited: dict[str, torch.Tensor]) -> None:
+    """Router sites were among the sites compared; a write to the router logits reroutes on
+    both backends alike; steering and captures at the router sites equal HF's, compiled into
+    the capture buffers and uncompiled."""
+    router = router_of(llm.config)
+    assert router is not None and unedited["layers.1.mlp.router.output"].shape[1] == router.experts
+    assert unedited["layers.1.mlp.router.experts"].shape[1] == router.top_k
+    chosen = unedited["layers.1.mlp.router.experts"]
+    expert = int(torch.bincount(chosen.flatten(), minlength=router.experts).argmin())
+    tokens, experts, logits = route_to(llm, expert)
+    want_tokens, want_experts, want_logits = route_to(hf, expert)
+    assert tokens == want_tokens and torch.equal(experts, want_experts)
+    assert rel_err(logits, want_logits) < 1e-4
+    assert bool((experts[:, 0] == expert).all()) and not torch.equal(experts, chosen)
+    assert rel_err(logits, unedited["logits"]) > 1e-3
+    with pytest.raises(vinterp.TraceError, match="router.experts is read-only"):
+        with llm.trace(PROMPT, max_tokens=1):
+            llm.layers[1].mlp.router.experts = llm.layers[1].mlp.router.experts * 0
+    outside_buffers = [*ROUTER_SITES, "layers.2.mlp.output"]
+    for sites, in_buffers in [(ROUTER_SITES, True), (outside_buffers, False)]:
+        before = llm.step_stats()
+        got = steered_captures(llm, sites)
+        after = llm.step_stats()
+        ran = "graph_capture_steps" if in_buffers else "uncompiled_steps"
+        assert after[ran] - before[ran] >= 4, sites  # the prompt and 3 decoding steps capture
+        want = steered_captures(hf, sites)
+        assert got.keys() == want.keys() and "layers.3.mlp.router.experts" in got
+        for site, value in want.items():
+            assert_equal_values(got[site], value, site)
+    prompt_rows = unedited["layers.2.mlp.router.output"]
+    steered = got["layers.2.mlp.router.output"][: len(prompt_rows)]
+    assert rel_err(steered, prompt_rows) > 1e-3  # captured after the steering upstream
+
+
+def route_to(llm: vinterp.LLM, expert: int) -> tuple[Any, Any, Any]:
+    """Layer 1's router sends every token to `expert` first, at every step: the tokens, and
+    the prompt's expert ids and logits."""
+    bonus = torch.zeros(router_of(llm.config).experts)
+    bonus[expert] = 50.0
+    with llm.trace(PROMPT, max_tokens=6, ignore_eos=True) as tr:
+        for _ in tr.iter[:]:
+            llm.layers[1].mlp.router.output = llm.layers[1].mlp.router.output + bonus
+        experts = llm.layers[1].mlp.router.experts.save()
+        logits = llm.logits.save()
+    return tr.outputs[0].token_ids, experts, logits
+
+
+def steered_captures(llm: vinterp.LLM, sites: list[str]) -> dict[str, torch.Tensor]:
+    v = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    steering = vinterp.Steering({"layers.1.output": v}, scale=20.0)
+    capture = vinterp.Capture(sites, positions="all")
+    out = llm.generate(PROMPT, max_tokens=4, ignore_eos=True, steering=steering, capture=capture)
+    return out[0].captures
 
 
 def test_transformers_backend_model_is_refused_on_vllm(engines) -> None:

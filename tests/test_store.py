@@ -10,14 +10,16 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from transformers import AutoConfig
 
-from vinterp.api.extract import joined, shard_columns
+from vinterp.api.extract import expand_sites, joined, shard_columns
 from vinterp.api.extract_plan import (
     NO_ROWS,
     TOKENS,
@@ -417,6 +419,14 @@ def test_positions_selected_per_prompt() -> None:
         check_positions("all_generated", 0)
     with pytest.raises(ValueError, match="skip_first"):
         check_positions("all_prompt", -1)
+
+
+def test_router_sites_are_refused_with_what_to_use_instead() -> None:
+    config = AutoConfig.for_model("mixtral", num_hidden_layers=2)
+    llm = SimpleNamespace(config=config)
+    assert expand_sites(llm, ["layers.*.output"]) == ["layers.0.output", "layers.1.output"]
+    with pytest.raises(ValueError, match="router site, which extract does not store; capture"):
+        expand_sites(llm, ["layers.1.output", "layers.*.mlp.router.output"])
 
 
 def test_shards_are_cut_from_the_prompt_lengths_alone() -> None:

@@ -87,3 +87,18 @@ def test_progress_bars_show_unless_turned_off(llm, capsys) -> None:
                 with tr.invoke(prompt):
                     llm.layers[0].output.save()
         assert ("invokes" in capsys.readouterr().err) == use_tqdm
+
+
+def test_router_sites_have_their_shapes_and_exist_on_mixtures_of_experts_only(engines, llm) -> None:
+    moe = engines.hf(vinterp.models.tiny("mixtral"))  # 8 experts, 2 per token
+    tokens = len(moe.tokenizer(PROMPT).input_ids)
+    with moe.trace(PROMPT, max_tokens=1):
+        router = moe.layers[1].mlp.router
+        assert router.output.shape == (tokens, 8)
+        assert router.experts.shape == (tokens, 2) and router.experts.dtype == torch.long
+    with pytest.raises(vinterp.TraceError, match="layers.1.mlp.router.experts is read-only"):
+        with moe.trace(PROMPT, max_tokens=1):
+            moe.layers[1].mlp.router.experts[0] = 3
+    with pytest.raises(vinterp.TraceError, match="this model has no router"):
+        with llm.trace(PROMPT, max_tokens=1):
+            llm.layers[0].mlp.router.output.save()

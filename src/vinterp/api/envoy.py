@@ -106,11 +106,33 @@ class ModulePoint(SitePoint):
         return self._llm.active_trace().record_model_call(self._function, value)
 
 
+class RouterPoint(SitePoint):
+    """`llm.layers[i].mlp.router` of a mixture-of-experts model: `.output` is the router's
+    logits, `.experts` the ids of the experts it picks (read-only: a write is refused at the
+    trace's exit, as it is over the wire)."""
+
+    @property
+    def experts(self) -> Any:
+        return self._llm.active_trace().record_read(self._site("experts"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "experts":
+            self._llm.active_trace().record_write(self._site("experts"), value)
+        else:
+            super().__setattr__(name, value)
+
+
+class MlpPoint(SitePoint):
+    def __init__(self, llm: TraceSource, prefix: str) -> None:
+        super().__init__(llm, prefix)
+        object.__setattr__(self, "router", RouterPoint(llm, f"{prefix}.router"))
+
+
 class Layer(SitePoint):
     def __init__(self, llm: TraceSource, index: int) -> None:
         super().__init__(llm, f"layers.{index}")
         object.__setattr__(self, "attn", SitePoint(llm, f"layers.{index}.attn"))
-        object.__setattr__(self, "mlp", SitePoint(llm, f"layers.{index}.mlp"))
+        object.__setattr__(self, "mlp", MlpPoint(llm, f"layers.{index}.mlp"))
         object.__setattr__(self, "self_attn", ParamPoint(llm, f"layers.{index}.self_attn"))
 
 

@@ -37,7 +37,8 @@ from vinterp.engine.backend import Captured, StreamRequest
 from vinterp.engine.limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.modules import site_order
+from vinterp.sites.names import ROUTER_SITES, UnknownSiteError, parse_site
 from vinterp.store import (
     COLUMN_DTYPE,
     STORED_DTYPES,
@@ -309,11 +310,17 @@ def expand_sites(llm: Any, sites: str | list[str]) -> list[str]:
     """Site names and patterns, expanded for this model, in forward order without repeats."""
     names = [sites] if isinstance(sites, str) else list(sites)
     Capture(names)  # ValueError for a name no capture takes
-    order = SiteOrder(len(llm.layers))
+    order = site_order(llm.config)
     try:
         expanded = {site: None for pattern in names for site in order.expand(pattern)}
     except UnknownSiteError as exc:
         raise ValueError(f"sites: {exc}") from None
+    routed = [site for site in expanded if parse_site(site).part in ROUTER_SITES]
+    if routed:  # the dataset's columns are rows of the hidden size
+        raise ValueError(
+            f"sites: {routed[0]} is a router site, which extract does not store; capture it "
+            "with llm.generate(..., capture=vinterp.Capture(...))"
+        )
     return sorted(expanded, key=order.__getitem__)
 
 

@@ -20,7 +20,8 @@ from vinterp.api.front_end import TraceFrontEnd
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.errors import InterventionError
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.modules import site_order
+from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.specs import Capture, RequestSpecs, Steering, selected_count, steering_misfit
 
 log = logging.getLogger("vinterp.capture")
@@ -90,7 +91,7 @@ def prepare(
     """Normalize prompts (strings, token ids, Request items) and check every spec. `names`:
     the registered steering names, when the caller has them (else asked when needed)."""
     items = prompts if isinstance(prompts, list) and not _is_token_ids(prompts) else [prompts]
-    order = SiteOrder(len(llm.layers))
+    order = site_order(llm.config)
     prepared = []
     for item in items:
         if not isinstance(item, (Request, str, list)):

@@ -25,7 +25,8 @@ from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.executor import TraceResult
 from vinterp.runtime.pipeline import last_stage_start
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.modules import site_order
+from vinterp.sites.names import UnknownSiteError, parse_site
 from vinterp.sites.params import param_shape, parse_param
 from vinterp.sites.raw import is_raw
 
@@ -66,7 +67,7 @@ class Trace:
     ) -> None:
         self._llm = llm
         self._use_tqdm = use_tqdm
-        self._sites = SiteOrder(int(llm.config.num_hidden_layers))
+        self._sites = site_order(llm.config)
         self.graph = Graph()
         self._sampling = sampling
         self._implicit_prompt = prompt
@@ -180,7 +181,9 @@ class Trace:
             return torch.empty(1, config.vocab_size, device="meta")
         if site == "samples":
             return torch.empty(1, dtype=torch.long, device="meta")
-        return torch.empty(tokens, config.hidden_size, device="meta")
+        width = self._sites.row_width(site, config.hidden_size)
+        ids = parse_site(site).value == "experts"  # a router's expert ids
+        return torch.empty(tokens, width, dtype=torch.long if ids else None, device="meta")
 
     def record_read(self, site: str) -> Value:
         invoke = self._current_invoke(f"reading {site}")

@@ -16,7 +16,7 @@ from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
 from vinterp.sites.hf_hooks import install_hf_hooks
-from vinterp.sites.modules import find_site_modules, unhooked
+from vinterp.sites.modules import find_site_modules, site_order, unhooked
 from vinterp.sites.params import hf_param
 from vinterp.sites.raw import install_raw_hooks, raw_sites_of
 from vinterp.wire.specs import RequestSpecs, Steering
@@ -47,9 +47,9 @@ class HFEngine:
         self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
         self.interventions = HFInterventions()
-        self.num_layers = int(self.model.config.num_hidden_layers)
+        self.order = site_order(self.model.config)
         self.steps = 0
-        install_hf_hooks(self.sites, self._at_site)
+        install_hf_hooks(self.sites, self._at_site, self.order.router)
 
     @property
     def native(self) -> Any:
@@ -81,7 +81,7 @@ class HFEngine:
             for k in tqdm(order, desc="invokes", disable=not use_tqdm or len(order) < 2):
                 invoke = graph.invokes[k]
                 self._check_sampling(invoke.sampling)
-                request = self.interventions.request(None, len(invoke.prompt), self.num_layers)
+                request = self.interventions.request(None, len(invoke.prompt), self.order)
                 outputs[k] = self._generate_one(invoke.prompt, invoke.sampling, request, run, k)
         finally:
             for handle in raw_hooks:
@@ -105,8 +105,7 @@ class HFEngine:
         for s in sampling:
             self._check_sampling(s)
         requests = [
-            self.interventions.request(r, len(ids), self.num_layers)
-            for ids, r in zip(prompts, specs)
+            self.interventions.request(r, len(ids), self.order) for ids, r in zip(prompts, specs)
         ]
         items = list(zip(prompts, sampling, requests))
         return [

@@ -62,13 +62,12 @@ class HFInterventions:
         default_factory=lambda: defaultdict(lambda: defaultdict(dict))
     )
 
-    def request(self, specs: RequestSpecs | None, prompt_len: int, num_layers: int) -> HFRequest:
+    def request(self, specs: RequestSpecs | None, prompt_len: int, order: SiteOrder) -> HFRequest:
         """A request's interventions (None: the global steering only)."""
         specs = specs or RequestSpecs()
         named = [self.named[n] for n in specs.steering_names if n in self.named]
         request = HFRequest([*self.global_steering, *named, *specs.steering], prompt_len)
         if specs.capture is not None:
-            order = SiteOrder(num_layers)
             request.capture_id = specs.capture_id
             request.capture_sites = frozenset(
                 s for pattern in specs.capture.sites for s in order.expand(pattern)
@@ -77,8 +76,9 @@ class HFInterventions:
         return request
 
     def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
-        """Steer the current step's (T, H) rows at `site` and record what is captured there;
-        the steered value, or None when no steering applies."""
+        """Steer the current step's (T, H) rows at `site` and record what is captured there
+        (a router site's rows are (T, experts) or (T, top_k)); the steered value, or None when
+        no steering applies."""
         request = self.current
         if request is None:
             return None

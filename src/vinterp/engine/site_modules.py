@@ -7,7 +7,9 @@ the module, reaching the steering buffers through `self` like any weight. Layout
 from the loaded modules:
 - most sites hold the module's (tokens, H) tensor (a tuple output's first element);
 - blocks whose forward takes a `residual` pass (hidden, residual) between blocks, their sum
-  being the HF residual stream (layer 0's input is the embedding alone).
+  being the HF residual stream (layer 0's input is the embedding alone);
+- a mixture-of-experts router (its gate linear) returns (logits, bias): its sites are the
+  logits and the experts they pick (`site_ops.router_site`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vinterp.engine.site_ops import SiteCalls, plain_site, stream_site
+from vinterp.engine.site_ops import SiteCalls, plain_site, router_site, stream_site
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.modules import SiteModules
@@ -38,6 +40,8 @@ class SiteIO:
     input_id: int | None = None
     output_id: int | None = None
     stream: bool = False
+    experts_id: int | None = None  # a router: output_id are its logits, these its expert ids
+    top_k: int = 0
 
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
@@ -61,6 +65,10 @@ def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwarg
     out = inner(module, *args, **kwargs)
     if io.output_id is None:
         return out
+    if io.experts_id is not None:
+        logits = out[0] if isinstance(out, tuple) else out
+        logits = router_site(capture, calls, io.output_id, io.experts_id, io.top_k, logits)
+        return (logits, *out[1:]) if isinstance(out, tuple) else logits
     if isinstance(out, tuple):
         return (plain_site(steer, capture, calls, io.output_id, out[0]), *out[1:])
     return plain_site(steer, capture, calls, io.output_id, out)
@@ -124,6 +132,7 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
             (modules.attn(layer), "forward", {"output_id": order[f"layers.{i}.attn.output"]}),
             (modules.mlp_input(layer), "forward", {"input_id": order[f"layers.{i}.mlp.input"]}),
             (modules.mlp_output(layer), "forward", {"output_id": order[f"layers.{i}.mlp.output"]}),
+            *_router_placement(modules, order, i, layer),
             (
                 layer,
                 "forward",
@@ -137,6 +146,38 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
     if stage.is_last_rank and not isinstance(modules.final_norm, PPMissingLayer):
         placed.append((modules.final_norm, "forward", {"output_id": order["final_norm.output"]}))
     return placed
+
+
+def _router_placement(
+    modules: SiteModules, order: SiteOrder, i: int, layer: nn.Module
+) -> list[tuple[nn.Module, str, dict]]:
+    """Layer i's router, if it has one: its logits and expert ids."""
+    router = order.router
+    if router is None or i not in router.layers:
+        return []
+    io = {
+        "output_id": order[f"layers.{i}.mlp.router.output"],
+        "experts_id": order[f"layers.{i}.mlp.router.experts"],
+        "top_k": router.top_k,
+    }
+    return [(modules.router(layer), "forward", io)]
+
+
+def _row_shapes(
+    modules: SiteModules, order: SiteOrder, dtype: torch.dtype
+) -> dict[int, tuple[int, torch.dtype]]:
+    """(width, dtype) of the router sites' rows: the logits in the gate's output dtype, the
+    expert ids as int64."""
+    router = order.router
+    shapes: dict[int, tuple[int, torch.dtype]] = {}
+    for i in router.layers if router else ():
+        if not modules.holds_layer(modules.layers[i]):
+            continue  # another pipeline stage's layer
+        gate = modules.router(modules.layers[i])
+        logits_dtype = getattr(gate, "out_dtype", None) or dtype
+        shapes[order[f"layers.{i}.mlp.router.output"]] = (router.experts, logits_dtype)
+        shapes[order[f"layers.{i}.mlp.router.experts"]] = (router.top_k, torch.long)
+    return shapes
 
 
 def held_site_ids(modules: SiteModules, order: SiteOrder) -> frozenset[int]:
@@ -169,6 +210,7 @@ def install_vllm_sites(
             add.dtype,
             add.device,
             steer.counters,
+            _row_shapes(modules, order, add.dtype),
         )
     for module, method, io in placed:
         _add_sites(module, steer, capture, calls, method, io)

@@ -1,6 +1,7 @@
 """What runs at every standardized site inside vLLM's model.
 
-Up to three parts, so that graph replay never skips an intervention:
+Up to three parts, so that graph replay never skips an intervention (a router's sites have
+no steering: its logits are not the residual stream):
 - steering, as plain tensor ops on persistent buffers (`interventions.steer_buffers`): compiled
   into the model and replayed in CUDA graphs, so it holds in every step;
 - with `capture_in_graph`, capture the same way (`interventions.capture_buffers`), after steering;
@@ -79,3 +80,36 @@ def stream_site(
         if out is not None:
             hidden, residual = out
     return hidden, residual
+
+
+def chosen_experts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ids of the experts a router picks per token: the top-k of the softmax of its
+    logits, in the order of their weights (the model's renormalization does not change them)."""
+    return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1).indices
+
+
+def router_site(
+    capture: CaptureBuffers | None,
+    calls: SiteCalls | None,
+    logits_id: int,
+    experts_id: int,
+    top_k: int,
+    logits: torch.Tensor,
+) -> torch.Tensor:
+    """A router's (tokens, experts) logits: captured, then (in uncompiled steps) the Python
+    handler, which may replace them; the experts they pick are then captured and handed to the
+    handler (read-only). The compiled model computes those ids only for a capture buffer."""
+    if capture is not None:
+        capture(logits_id, logits)
+    calling = _calling(calls)
+    if calling:
+        out = calls.site(logits_id, logits)  # type: ignore[union-attr]
+        if out is not None:
+            logits = out
+    if calling or (capture is not None and capture.holds(experts_id)):
+        experts = chosen_experts(logits, top_k)
+        if capture is not None:
+            capture(experts_id, experts)
+        if calling:
+            calls.site(experts_id, experts)  # type: ignore[union-attr]
+    return logits

@@ -35,13 +35,13 @@ from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError, fit_rounds
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.runtime.worker_runtime import decode_saved
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.modules import site_order
 from vinterp.wire.graph import to_wire
 from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 7
+SITES_LAYOUT_VERSION = 8
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def check_capture_in_graph(config: Any, engine_kwargs: dict[str, Any]) -> None:
     """Refuse a wrong `capture_in_graph` or `capture_in_graph_rows` before the engine starts
     (the workers would)."""
     setting = buffer_setting(engine_kwargs.get("capture_in_graph", False))
-    buffer_site_ids(setting, SiteOrder(int(config.num_hidden_layers)))
+    buffer_site_ids(setting, site_order(config))
     buffer_rows_setting(engine_kwargs.get("capture_in_graph_rows"))
 
 

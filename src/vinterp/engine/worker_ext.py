@@ -23,8 +23,7 @@ from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
-from vinterp.sites.modules import find_site_modules
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.modules import find_site_modules, site_order
 
 RUNTIME_ATTR = "_vinterp_runtime"
 SITE_CALLS_ATTR = "_vinterp_site_calls"
@@ -65,7 +64,7 @@ def install_on_runner(runner: Any) -> None:
     modules = find_site_modules(
         model, config.model_type, settings.get(SITE_PATHS_KEY), backend="vllm"
     )
-    order = SiteOrder(int(config.num_hidden_layers))
+    order = site_order(config)
     counters = None
     if settings.get(CHECK_APPLIED_KEY, False):
         counters = AppliedCounters(len(order.sites), runner.device)

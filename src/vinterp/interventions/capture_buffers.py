@@ -91,7 +91,10 @@ class CaptureBuffers(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         counters: AppliedCounters | None = None,
+        row_shapes: dict[int, tuple[int, torch.dtype]] | None = None,
     ) -> None:
+        """`row_shapes`: (width, dtype) of the rows of sites that are not (hidden_size, dtype),
+        e.g. a router's logits and expert ids."""
         super().__init__()
         self.max_rows = max_rows
         self.counters = counters  # with the check on (`interventions.applied`)
@@ -99,11 +102,17 @@ class CaptureBuffers(nn.Module):
         self.register_buffer("index", index, persistent=False)
         self.chosen = chosen  # the sites with buffers, on any worker: a capture elsewhere leaves
         self.site_ids = chosen.intersection(held)  # those this worker's model holds (PP: a stage)
+        shapes = row_shapes or {}
         for site_id in sorted(self.site_ids):
-            rows = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+            width, row_dtype = shapes.get(site_id, (hidden_size, dtype))
+            rows = torch.zeros(max_rows, width, dtype=row_dtype, device=device)
             self.register_buffer(f"rows_{site_id}", rows, persistent=False)
         self.active = False  # whether this step captures through the buffers
         self._on_device = np.zeros(tuple(self.index.shape), dtype=np.int32)  # what `index` holds
+
+    def holds(self, site_id: int) -> bool:
+        """Whether `site_id` has a buffer on this worker."""
+        return site_id in self.site_ids
 
     def forward(self, site_id: int, x: torch.Tensor, plus: torch.Tensor | None = None) -> None:
         """Gather this step's rows of `x` (+ `plus`: the residual stream's other part) at

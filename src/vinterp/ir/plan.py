@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from vinterp.ir.graph import STEP_ZERO, Graph, Node, node_inputs
-from vinterp.sites.names import RAW_POSITION, SiteOrder
+from vinterp.sites.names import RAW_POSITION, SiteOrder, is_read_only
 from vinterp.sites.params import parse_param
 
 ANY_TIME = -1  # anchor of values that need no site (user tensors)
@@ -57,6 +57,12 @@ def make_plan(graph: Graph, sites: SiteOrder, last_stage_start: int | None = Non
             anchors.append(ANY_TIME)
             continue
         site_pos = sites[node.target] if node.kind in ("read", "write") else ANY_TIME
+        if node.kind == "write" and is_read_only(node.target):
+            raise PlanError(
+                f"{node.target} is read-only: the expert ids follow from the router's logits; "
+                "write layers.{i}.mlp.router.output to change the routing",
+                node.line,
+            )
         if site_pos == RAW_POSITION:
             if node.kind == "write":
                 raise PlanError("llm.raw sites are read-only; write a standardized site", node.line)

@@ -74,6 +74,41 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # Parallel attention + MLP blocks; vLLM runs it through its Transformers backend.
     "gpt_neox": _arch("gpt_neox", "GPTNeoXForCausalLM", rotary_pct=0.25),
+    # Mixture-of-experts MLPs: a router picks the top 2 experts per token.
+    "mixtral": _arch(
+        "mixtral",
+        "MixtralForCausalLM",
+        sliding_window=None,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    # With a gated shared expert beside the routed ones; top-k weights not renormalized.
+    "qwen2_moe": _arch(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        use_sliding_window=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=False,
+    ),
+    "qwen3_moe": _arch(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        use_sliding_window=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    ),
+    "olmoe": _arch(
+        "olmoe",
+        "OlmoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
 }
 
 ARCHITECTURES = tuple(_BASE_CONFIGS)

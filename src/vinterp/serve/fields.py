@@ -22,7 +22,8 @@ from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.serve import limits
 from vinterp.serve.limits import LimitError, read_body
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.modules import site_order
+from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering
@@ -61,7 +62,7 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
         capture = Capture.from_json(value["capture"])
         if capture.sink != "memory":
             raise FieldError("vinterp.capture.sink: the server returns captures; use 'memory'")
-        order = SiteOrder(int(config.num_hidden_layers))
+        order = site_order(config)
         try:
             prepared.capture_sites = [s for p in capture.sites for s in order.expand(p)]
         except UnknownSiteError as exc:

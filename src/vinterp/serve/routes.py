@@ -27,7 +27,7 @@ from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.serve import limits
 from vinterp.serve.limits import LimitError, TraceGate, read_body
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.modules import site_order
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
 from vinterp.wire.json_form import payload_from_json, saved_to_json
@@ -86,7 +86,7 @@ async def sites(request: Request) -> JSONResponse:
             "num_layers": int(config.num_hidden_layers),
             "hidden_size": int(config.hidden_size),
             "vocab_size": int(config.vocab_size),
-            "sites": SiteOrder(int(config.num_hidden_layers)).sites,
+            "sites": site_order(config).sites,
             "pipeline_parallel_size": parallel.pipeline_parallel_size,
             "config": json.loads(config.to_json_string()),
         }
@@ -109,7 +109,7 @@ def decode_trace(
     if isinstance(nodes, list) and len(nodes) > limit.nodes:
         raise BadRequest(f"{len(nodes)} nodes; the limit is {limit.nodes} (--max-trace-nodes)")
     wire = payload_from_json(body["graph"])
-    order = SiteOrder(int(config.num_hidden_layers))
+    order = site_order(config)
     graph = from_wire(wire, order)
     if len(graph.invokes) > limit.invokes:
         raise BadRequest(

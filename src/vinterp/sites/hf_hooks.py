@@ -3,7 +3,9 @@
 HF modules mostly carry a batch axis of 1 (the HF backend runs one invoke at a time); sites
 are the (T, H) slice (some modules, like OPT's fc1/fc2, see (T, H) already).
 `layers[i].input` is the block's hidden_states argument, `.output` its first output;
-`attn`/`mlp` inputs are their hidden-state arguments (after the block's norm).
+`attn`/`mlp` inputs are their hidden-state arguments (after the block's norm). A router
+(transformers' top-k router module) returns (logits, weights, expert ids): its sites are the
+logits and the ids; written logits route again as the router would have routed them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from vinterp.sites.modules import SiteModules
+from vinterp.sites.names import Router
 
 SiteCallback = Callable[[str, torch.Tensor], torch.Tensor | None]
 
@@ -54,8 +57,34 @@ def _input_hook(site: str, callback: SiteCallback) -> Any:
     return hook
 
 
-def install_hf_hooks(modules: SiteModules, callback: SiteCallback) -> list[Any]:
-    """Hook every standardized site of an HF model; returns the hook handles."""
+def _routed(router: Any, logits: torch.Tensor, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(weights, expert ids) of transformers' top-k routers for these logits: the top-k of
+    their softmax, renormalized unless the router says not to (`norm_topk_prob`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, experts = torch.topk(probs, router.top_k, dim=-1)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalizes
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), experts
+
+
+def _router_hook(layer: int, callback: SiteCallback) -> Any:
+    def hook(module: Any, args: Any, out: Any) -> Any:
+        logits, weights, experts = out
+        new = callback(f"layers.{layer}.mlp.router.output", logits)
+        if new is not None:
+            logits = new
+            weights, experts = _routed(module, new, weights.dtype)
+        callback(f"layers.{layer}.mlp.router.experts", experts)  # read-only
+        return None if new is None else (logits, weights, experts)
+
+    return hook
+
+
+def install_hf_hooks(
+    modules: SiteModules, callback: SiteCallback, router: Router | None = None
+) -> list[Any]:
+    """Hook every standardized site of an HF model (and its routers' sites, at
+    `router.layers`); returns the hook handles."""
     handles = [modules.embed.register_forward_hook(_output_hook("embed.output", callback))]
     for i, layer in enumerate(modules.layers):
         points = [
@@ -71,6 +100,9 @@ def install_hf_hooks(modules: SiteModules, callback: SiteCallback) -> list[Any]:
             if output_site:
                 hook = _output_hook(f"layers.{i}.{output_site}", callback)
                 handles.append(module.register_forward_hook(hook))
+    for i in router.layers if router else ():
+        gate = modules.router(modules.layers[i])
+        handles.append(gate.register_forward_hook(_router_hook(i, callback)))
     handles.append(
         modules.final_norm.register_forward_hook(_output_hook("final_norm.output", callback))
     )

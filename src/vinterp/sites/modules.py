@@ -14,10 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from vinterp.sites.names import UnknownSiteError
+from vinterp.sites.names import Router, SiteOrder, UnknownSiteError
 
 # The keys of a site map. embed/layers/final_norm/lm_head are paths from the causal LM's root;
-# attn/mlp_input/mlp_output are attribute names inside one layer (`mlp` in `sites=` sets both).
+# attn/mlp_input/mlp_output are attribute names inside one layer (`mlp` in `sites=` sets both);
+# a mixture-of-experts map adds `router`, the path of a layer's router (its logits' linear).
 PATH_KEYS = ("embed", "layers", "final_norm", "lm_head", "attn", "mlp_input", "mlp_output")
 OVERRIDE_KEYS = (*PATH_KEYS, "mlp")
 
@@ -75,6 +76,20 @@ SITE_MAPS: dict[str, SiteMap] = {
             "mlp_output": "fc2",
         }
     ),
+    # Mixture-of-experts MLPs: HF's router module returns (logits, weights, expert ids),
+    # vLLM's gate linear (logits, bias); vLLM keeps Mixtral's older name for the MoE block.
+    "mixtral": SiteMap(
+        {**_LLAMA_PATHS, "router": "mlp.gate"},
+        vllm={
+            "mlp_input": "block_sparse_moe",
+            "mlp_output": "block_sparse_moe",
+            "router": "block_sparse_moe.gate",
+        },
+    ),
+    **{
+        name: SiteMap({**_LLAMA_PATHS, "router": "mlp.gate"})
+        for name in ("qwen2_moe", "qwen3_moe", "olmoe")
+    },
     # Parallel attention + MLP blocks. HF backend only: see `vllm_engine.check_native_model`.
     "gpt_neox": SiteMap(
         {
@@ -91,6 +106,29 @@ SITE_MAPS: dict[str, SiteMap] = {
 SUPPORTED = tuple(SITE_MAPS)
 
 
+def router_of(config: Any) -> Router | None:
+    """The routers of a mixture-of-experts model with a site map (None: a dense model). Qwen's
+    MoE models may keep dense MLPs in some layers (`mlp_only_layers`, `decoder_sparse_step`),
+    as transformers and vLLM build them."""
+    site_map = SITE_MAPS.get(getattr(config, "model_type", ""))
+    if site_map is None or "router" not in site_map.paths:
+        return None
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", None) or 1)
+    layers = range(int(config.num_hidden_layers))
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return Router(
+        tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+        int(experts),
+        int(config.num_experts_per_tok),
+    )
+
+
+def site_order(config: Any) -> SiteOrder:
+    """The sites of the model an HF config describes, in forward order."""
+    return SiteOrder(int(config.num_hidden_layers), router_of(config))
+
+
 @dataclass
 class SiteModules:
     """The site modules of one loaded model. `embed` may be a module or, where the backend
@@ -104,6 +142,7 @@ class SiteModules:
     mlp_input_name: str = "mlp"
     mlp_output_name: str = "mlp"
     embed_method: str = "forward"
+    router_path: str | None = None  # a mixture-of-experts layer's router, inside the layer
 
     def attn(self, layer: nn.Module) -> nn.Module:
         return getattr(layer, self.attn_name)
@@ -113,6 +152,10 @@ class SiteModules:
 
     def mlp_output(self, layer: nn.Module) -> nn.Module:
         return getattr(layer, self.mlp_output_name)
+
+    def router(self, layer: nn.Module) -> nn.Module:
+        assert self.router_path is not None
+        return layer.get_submodule(self.router_path)
 
     def holds_layer(self, layer: nn.Module) -> bool:
         """False for a pipeline stage's placeholder of a layer another stage owns."""
@@ -170,8 +213,8 @@ def find_site_modules(
             missing.append(f"{key} at {paths[key]!r}")
     layers = found.get("layers")
     real = [layer for layer in layers or () if hasattr(layer, paths["attn"])]
-    for key in ("attn", "mlp_input", "mlp_output"):
-        if layers is not None and (not real or not hasattr(real[0], paths[key])):
+    for key in ("attn", "mlp_input", "mlp_output", "router"):
+        if key in paths and layers is not None and not any(_holds(r, paths[key]) for r in real):
             missing.append(f"{key} at {paths['layers']}[i].{paths[key]}")
     if missing:
         raise UnknownSiteError(
@@ -190,7 +233,16 @@ def find_site_modules(
         paths["mlp_input"],
         paths["mlp_output"],
         embed_method,
+        paths.get("router"),
     )
+
+
+def _holds(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def unhooked(module: nn.Module) -> Any:

@@ -10,20 +10,26 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+# The parts of a mixture-of-experts layer's router: its logits (T, experts) and the ids of
+# the experts it picks per token (T, top_k), between the MLP's input and its output.
+ROUTER_SITES = ("mlp.router.output", "mlp.router.experts")
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
 STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
+READ_ONLY = ("mlp.router.experts",)  # parts a trace reads but never writes
 RAW_PREFIX = "raw."
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a
 # name that parses is one SiteOrder knows (or out of range).
 _SITE_RE = re.compile(
-    r"layers\.(?P<layer>0|[1-9][0-9]*|\*)\.(?:(?P<block>attn|mlp)\.)?(?P<io>input|output)"
+    r"layers\.(?P<layer>0|[1-9][0-9]*|\*)\."
+    r"(?P<part>(?:(?:attn|mlp)\.)?(?:input|output)|mlp\.router\.(?:output|experts))"
     r"|(?P<module>embed|final_norm)\.output"
     r"|(?P<top>logits|samples)"
 )
 _RAW_RE = re.compile(r"raw\.(\w+(?:\.\w+)*)\.(input|output)")
 SITES_HELP = (
     "sites are embed.output, layers.{i}.input|output, layers.{i}.attn.input|output, "
-    "layers.{i}.mlp.input|output, final_norm.output, logits, samples"
+    "layers.{i}.mlp.input|output, final_norm.output, logits, samples; on mixture-of-experts "
+    "models also layers.{i}.mlp.router.output|experts"
 )
 
 
@@ -39,14 +45,15 @@ class SiteName:
     """The parts of a site name.
 
     `layers.3.attn.output`: kind "layer", layer 3, module "attn", value "output";
-    `layers.3.output`: module "" (the block itself); `embed.output`: kind "model", module
+    `layers.3.output`: module "" (the block itself); `layers.3.mlp.router.experts`: module
+    "mlp.router", value "experts"; `embed.output`: kind "model", module
     "embed"; `logits`: kind "model", module "", value "logits"; `raw.model.norm.output`:
     kind "raw", module "model.norm" (the engine's module path).
     """
 
     kind: Literal["layer", "model", "raw"]
     module: str
-    value: str  # "input" | "output", or "logits" | "samples"
+    value: str  # "input" | "output" | "experts", or "logits" | "samples"
     layer: int | None = None  # None outside the layers and for `layers.*` in a pattern
 
     @property
@@ -68,9 +75,10 @@ def parse_site(name: str, pattern: bool = False) -> SiteName:
     match = _SITE_RE.fullmatch(name)
     if match is None or (match["layer"] == "*" and not pattern):
         raise UnknownSiteError(f"unknown site {name!r}; {SITES_HELP}")
-    if match["io"]:
+    if match["part"]:
         layer = None if match["layer"] == "*" else int(match["layer"])
-        return SiteName("layer", match["block"] or "", match["io"], layer)
+        module, _, value = match["part"].rpartition(".")
+        return SiteName("layer", module, value, layer)
     if match["module"]:
         return SiteName("model", match["module"], "output")
     return SiteName("model", "", match["top"])
@@ -85,11 +93,29 @@ def is_steerable(site: str) -> bool:
     return parsed.kind == "layer" and parsed.part in STEERABLE
 
 
-def all_sites(num_layers: int) -> list[str]:
-    """Every standardized site in forward order."""
+def is_read_only(site: str) -> bool:
+    """Whether a trace may only read this site (a router's expert ids follow from its logits)."""
+    parsed = parse_site(site, pattern=True)
+    return parsed.kind == "layer" and parsed.part in READ_ONLY
+
+
+@dataclass(frozen=True)
+class Router:
+    """A mixture-of-experts model's routers: the layers that have one, how many experts each
+    chooses among and how many it picks per token."""
+
+    layers: tuple[int, ...]
+    experts: int
+    top_k: int
+
+
+def all_sites(num_layers: int, router: Router | None = None) -> list[str]:
+    """Every standardized site in forward order (router sites at the layers that route)."""
+    routed = frozenset(router.layers) if router else frozenset()
     sites = ["embed.output"]
     for i in range(num_layers):
-        sites.extend(f"layers.{i}.{s}" for s in LAYER_SITES)
+        parts = (*LAYER_SITES[:4], *ROUTER_SITES, *LAYER_SITES[4:]) if i in routed else LAYER_SITES
+        sites.extend(f"layers.{i}.{s}" for s in parts)
     sites.extend(["final_norm.output", "logits", "samples"])
     return sites
 
@@ -100,9 +126,10 @@ RAW_POSITION = 1 << 30  # llm.raw sites: engine modules outside the standardized
 class SiteOrder:
     """Forward position of each site of a model with `num_layers` decoder blocks."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, router: Router | None = None) -> None:
         self.num_layers = num_layers
-        self.sites = all_sites(num_layers)
+        self.router = router
+        self.sites = all_sites(num_layers, router)
         self.position = {name: i for i, name in enumerate(self.sites)}
         self._expanded: dict[str, tuple[str, ...]] = {}  # valid globs only: a few per model
 
@@ -111,7 +138,7 @@ class SiteOrder:
             return self.position[site]
         if parse_site(site).kind == "raw":  # raises for a malformed name
             return RAW_POSITION
-        raise UnknownSiteError(describe_unknown(site, self.num_layers))
+        raise UnknownSiteError(describe_unknown(site, self.num_layers, self.router))
 
     def expand(self, pattern: str) -> list[str]:
         """Sites matching a name or a glob over layer indices (`layers.*.output`), in order."""
@@ -121,12 +148,20 @@ class SiteOrder:
             regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
             found = tuple(s for s in self.sites if regex.match(s))
             if not found:
-                raise UnknownSiteError(describe_unknown(pattern, self.num_layers))
+                raise UnknownSiteError(describe_unknown(pattern, self.num_layers, self.router))
             self._expanded[pattern] = found
         return list(self._expanded[pattern])
 
+    def row_width(self, site: str, hidden_size: int) -> int:
+        """The width of a (T, width) site's rows: the hidden size, or at a router the number
+        of experts (its logits) or of experts picked per token (their ids)."""
+        part = parse_site(site).part
+        if self.router is not None and part in ROUTER_SITES:
+            return self.router.experts if part == "mlp.router.output" else self.router.top_k
+        return hidden_size
 
-def describe_unknown(site: str, num_layers: int) -> str:
+
+def describe_unknown(site: str, num_layers: int, router: Router | None = None) -> str:
     """An error message that says what is wrong with a site name and what would be right."""
     try:
         parsed = parse_site(site, pattern=True)
@@ -136,5 +171,15 @@ def describe_unknown(site: str, num_layers: int) -> str:
         return (
             f"site {site!r}: layer index {parsed.layer} is out of range; "
             f"this model has layers 0..{num_layers - 1}"
+        )
+    if parsed.kind == "layer" and parsed.part in ROUTER_SITES:
+        if router is None:
+            return (
+                f"site {site!r}: this model has no router; router sites exist on "
+                "mixture-of-experts models only"
+            )
+        return (
+            f"site {site!r}: layer {parsed.layer} has a dense MLP; the layers with a router "
+            f"are {', '.join(map(str, router.layers))}"
         )
     return f"unknown site {site!r}; {SITES_HELP}"
