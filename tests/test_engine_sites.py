@@ -29,6 +29,10 @@ def save_every_site(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
                 point = getattr(llm.layers[i], part)
                 saves[f"layers.{i}.{part}.input"] = point.input.save()
                 saves[f"layers.{i}.{part}.output"] = point.output.save()
+            for head_part in ("q", "k", "v", "heads"):
+                saves[f"layers.{i}.attn.{head_part}"] = getattr(
+                    llm.layers[i].attn, head_part
+                ).save()
         saves["final_norm.output"] = llm.final_norm.output.save()
         saves["logits"] = llm.logits.save()
     return saves
@@ -52,12 +56,15 @@ def test_engine_is_compiled_not_eager(vllm_llm) -> None:
 
 def test_every_site_equals_hf(vllm_llm, hf_llm) -> None:
     got, want = save_every_site(vllm_llm), save_every_site(hf_llm)
-    assert len(got) == 1 + 2 * 30 + 4 * len(DETAIL_LAYERS) + 2
+    assert len(got) == 1 + 2 * 30 + 8 * len(DETAIL_LAYERS) + 2
     tokens = len(vllm_llm.tokenizer(PROMPT).input_ids)
     for site, value in want.items():
         assert got[site].shape == value.shape, site
         assert rel_err(got[site], value) < 1e-4, site
     assert got["layers.3.output"].shape == (tokens, 576)
+    # 9 query heads share 3 kv heads of 64
+    assert got["layers.14.attn.q"].shape == got["layers.14.attn.heads"].shape == (tokens, 9, 64)
+    assert got["layers.14.attn.k"].shape == got["layers.14.attn.v"].shape == (tokens, 3, 64)
     assert got["logits"].shape == (1, 49152)
     assert torch.equal(got["layers.4.input"], got["layers.3.output"])
 

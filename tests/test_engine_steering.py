@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 import vinterp
+import vinterp.api.requests as requests_module
+from vinterp.store import files
 
 pytestmark = pytest.mark.engine("bundled")
 
@@ -186,6 +189,35 @@ def test_filesystem_sink_round_trips(llm, tmp_path) -> None:
             for site in ("layers.2.output", "final_norm.output"):
                 # two engine runs: batching may differ in the last float bits
                 assert torch.allclose(f.get_tensor(site), mem.captures[site], rtol=1e-4, atol=1e-5)
+
+
+def test_a_sink_that_cannot_write_loses_no_output(llm, tmp_path, monkeypatch) -> None:
+    cap = vinterp.Capture("layers.2.output", positions="all", sink="filesystem", path=str(tmp_path))
+
+    def disk_full_at_the_second(path, write):  # its file is half written when the disk fills
+        def half_then_full(file) -> None:
+            file.write(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return files.write_atomic(path, half_then_full if "request-00001" in path.name else write)
+
+    monkeypatch.setattr(requests_module, "write_atomic", disk_full_at_the_second)
+    with pytest.raises(vinterp.CaptureWriteError) as failed:
+        llm.generate(PROMPTS[:3], max_tokens=3, capture=cap)
+    message = str(failed.value)
+    assert "No space left" in message and str(tmp_path) in message and "request 1" in message
+    monkeypatch.undo()
+    in_memory = cap.model_copy(update={"sink": "memory"})
+    memory = llm.generate(PROMPTS[:3], max_tokens=3, capture=in_memory)  # the engine serves on
+    outs = failed.value.outputs
+    assert [o.token_ids for o in outs] == [m.token_ids for m in memory]  # no output lost
+    assert outs[1].capture_file is None
+    written = sorted(str(p) for p in tmp_path.iterdir())  # no torn file, no temporary left
+    assert written == [outs[0].capture_file, outs[2].capture_file]
+    for out, mem in ((outs[0], memory[0]), (outs[2], memory[2])):
+        with safe_open(out.capture_file, "pt") as f:
+            got = f.get_tensor("layers.2.output")
+        assert torch.allclose(got, mem.captures["layers.2.output"], rtol=1e-4, atol=1e-5)
 
 
 def test_steering_then_capture_sees_steered_values(llm, direction) -> None:

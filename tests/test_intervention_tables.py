@@ -16,7 +16,14 @@ from vinterp.interventions.specs import WorkerCapture, WorkerSteering, worker_st
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
 from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.names import (
+    HEAD_SITES,
+    ROUTER_SITES,
+    Heads,
+    Router,
+    SiteOrder,
+    UnknownSiteError,
+)
 from vinterp.wire.specs import Steering
 from vinterp.wire.tensors import tensor_from_wire
 
@@ -158,9 +165,20 @@ def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
 
 
 def test_capture_buffer_sites_follow_the_setting() -> None:
-    """True: every site; names and patterns: those sites; a wrong type or name: an error that
-    says what to give."""
+    """True: every site of hidden-size rows (per-head and router sites when named); names and
+    patterns: those sites; a wrong type or name: an error that says what to give."""
     assert buffer_site_ids(buffer_setting(True), ORDER) == set(range(len(ORDER.sites)))
+    moe = SiteOrder(2, Router((1,), experts=4, top_k=2), Heads(4, 2, 64))
+    own_width = {s for s in moe.sites if s.split(".", 2)[-1] in (*HEAD_SITES, *ROUTER_SITES)}
+    assert len(own_width) == 2 * 4 + 2
+    chosen = buffer_site_ids(buffer_setting(True), moe)
+    assert {moe.sites[k] for k in chosen} == set(moe.sites) - own_width
+    named = buffer_site_ids(buffer_setting(["layers.*.attn.k", "layers.1.mlp.router.output"]), moe)
+    assert {moe.sites[k] for k in named} == {
+        "layers.0.attn.k",
+        "layers.1.attn.k",
+        "layers.1.mlp.router.output",
+    }
     assert buffer_site_ids(buffer_setting(False), ORDER) == set()
     layers = buffer_site_ids(buffer_setting("layers.*.output"), ORDER)
     assert layers == {ORDER["layers.0.output"], ORDER["layers.1.output"]}

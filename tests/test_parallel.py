@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on the CPU give the single-worker results: greedy tokens,
 every site, logits, the logit lens, parameters (gathered to their HF shapes), raw sharded
-values, steering and capture."""
+values, steering and capture; the per-head sites gathered from the ranks' heads, written
+back to each rank's own, and captured."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+HEAD_CAPTURE = vinterp.Capture(["layers.1.attn.k", "layers.3.attn.heads"], positions="all")
+
+
 def fast_path_results(llm):
     outs = llm.generate(PROMPTS, steering=STEERING, capture=CAPTURE, **SAMPLING)
     with llm.trace(PROMPTS[0], max_tokens=2):
         first, last = llm.layers[0].output.save(), llm.layers[3].output.save()
-    return [o.token_ids for o in outs], [o.captures for o in outs], (first, last)
+    # per-head sites have no capture buffers under TP: they are gathered in uncompiled steps
+    heads = llm.generate(PROMPTS[:2], capture=HEAD_CAPTURE, **SAMPLING)
+    captures = [o.captures for o in outs] + [o.captures for o in heads]
+    return [o.token_ids for o in outs], captures, (first, last)
 
 
 MIDDLE = 2
@@ -55,6 +62,8 @@ def probe(llm, raw: bool = True) -> dict:
             saved[f"layers.{i}.output"] = layer.output.save()
             saved[f"layers.{i}.attn.output"] = layer.attn.output.save()
             saved[f"layers.{i}.mlp.output"] = layer.mlp.output.save()
+            for part in ("q", "k", "v", "heads"):
+                saved[f"layers.{i}.attn.{part}"] = getattr(layer.attn, part).save()
         saved["logits"] = llm.logits.save()
         saved["lens"] = llm.unembed(llm.layers[MIDDLE].output).save()
         saved["lm_head row"] = llm.lm_head.weight[UPPER_TOKEN].save()
@@ -122,6 +131,13 @@ def cross_stage(llm) -> dict:
             llm.layers[2].output[-1] = source
             out["cross-invoke logits"] = llm.logits.save()
     out["cross-invoke tokens"] = tr.outputs[1].token_ids
+    with llm.trace(PROMPTS[2], max_tokens=4) as tr:  # per-head writes on each stage
+        llm.layers[3].attn.k = llm.layers[3].attn.k * -4  # read back from the KV cache
+        for _ in tr.iter[:]:
+            llm.layers[0].attn.heads[:, 1] = 0
+            llm.layers[2].attn.q[:, 3] = llm.layers[2].attn.q[:, 3] * 3
+        out["head-written logits"] = llm.logits.save()  # step 0
+    out["head-written tokens"] = tr.outputs[0].token_ids
     with llm.trace(PROMPTS[1], max_tokens=4) as tr:  # parameters of both stages
         out["q_proj"] = llm.layers[0].self_attn.q_proj.weight.save()
         direction = llm.lm_head.weight[UPPER_TOKEN]
@@ -223,8 +239,9 @@ def test_pipeline_values_cross_stages(engines, tiny_llama, single_worker_probe) 
     llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
     got = cross_stage(llm)
     assert_results_equal(got, want)
-    plain = [o.token_ids[:4] for o in llm.generate(PROMPTS[:2], **SAMPLING)]
+    plain = [o.token_ids[:4] for o in llm.generate(PROMPTS, **SAMPLING)]
     assert got["patched tokens"] != plain[0] and got["steered tokens"] != plain[1]
+    assert got["head-written tokens"] != plain[2]
 
 
 def test_pipeline_impossible_order_fails_before_running(

@@ -4,24 +4,18 @@ client on vLLM's own server, the same numbers as `vinterp.LLM`, keys, and clear 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 from openai import OpenAI
+from served import KEY, served
 
 import vinterp
 
 pytestmark = pytest.mark.engine("bundled", releases=True)
 
-KEY = "test-key"
 PROMPT = "The capital of France is"
 SAMPLING = {"max_tokens": 8, "temperature": 0.0}
 STEERING = vinterp.Steering(
@@ -98,37 +92,11 @@ def reference(engines) -> dict:
 
 @pytest.fixture(scope="module")
 def server(reference) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile()
-    # eager: the server's own compilation of the model takes ~9 minutes on two cores (CI), and
-    # the compiled path is what the reference engine and the rest of the suite test
-    command = [sys.executable, "-m", "vinterp.cli", "serve", "--port", str(port), "--enforce-eager"]
-    command.append(f"--max-num-batched-tokens={STEP_TOKENS}")  # a step a trace can outgrow
-    command += ["--max-body-mb", str(BODY_MB)]
-    # with the applied check, every steered or captured answer below has passed it
-    env = {**os.environ, "VINTERP_CHECK_APPLIED": "1"}
-    proc = subprocess.Popen(
-        [*command, "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError("server did not start:\n" + log.read().decode()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+    # a step a trace can outgrow; with the applied check, every steered or captured answer
+    # below has passed it
+    flags = (f"--max-num-batched-tokens={STEP_TOKENS}", "--max-body-mb", str(BODY_MB))
+    with served(*flags, env={"VINTERP_CHECK_APPLIED": "1"}) as running:
+        yield running.url
 
 
 def complete(server: str, **extra) -> object:

@@ -1,11 +1,13 @@
 """The server's limits (`vinterp.serve.limits`) on a Starlette app of their own: bodies over
 the limit get a 413 from their declared size before anything is read, or as soon as a
-streamed body passes it; a body within it reaches the route intact; an API key over its
+streamed body passes it; a body trickled in past the time limit a 408; a body within both
+reaches the route intact; an API key over its
 running traces gets a 429 at once, and its slots come back when traces end."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,11 +21,12 @@ from vinterp.serve import limits
 from vinterp.serve.limits import LimitError, ServeLimits, TraceGate, read_body
 
 LIMIT = 1000
+LIMITS = ServeLimits(body_bytes=LIMIT, body_seconds=1)
 
 
 async def echo(request: Request) -> JSONResponse:
     try:
-        body = await read_body(request, LIMIT)
+        body = await read_body(request, LIMITS)
     except LimitError as exc:
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
     return JSONResponse({"size": len(body), "again": len(await request.body())})
@@ -62,6 +65,31 @@ def test_a_streamed_body_is_refused_once_it_passes_the_limit(client) -> None:
 
     r = client.post("/echo", content=body())
     assert r.status_code == 413 and "more than" in r.json()["error"]
+
+
+def test_a_body_trickled_in_past_the_time_limit_is_refused() -> None:
+    sent = []
+
+    async def receive() -> dict:  # one byte every 0.25 s: 2 s for the whole body
+        await asyncio.sleep(0.25)
+        sent.append(1)
+        return {"type": "http.request", "body": b"x", "more_body": len(sent) < 8}
+
+    async def scenario() -> None:
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        started = time.monotonic()
+        with pytest.raises(LimitError) as refused:
+            await read_body(request, LIMITS)
+        assert time.monotonic() - started < 1.5  # at the limit, not after the whole body
+        assert refused.value.status == 408 and "--max-body-seconds" in str(refused.value)
+        assert refused.value.response().status_code == 408
+        # within the limit the same trickle arrives whole
+        sent.clear()
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        patient = ServeLimits(body_bytes=LIMIT, body_seconds=5)
+        assert await read_body(request, patient) == b"x" * 8
+
+    asyncio.run(scenario())
 
 
 def test_a_key_over_its_running_traces_is_refused_and_gets_its_slots_back() -> None:

@@ -1,18 +1,22 @@
 """The site-name grammar (sites.names.parse_site) and what it decides: the forward order's
-errors, which sites a Steering or a Capture accepts, where the HF reference reads a site, and
-which layers of a mixture-of-experts model have router sites."""
+errors, which sites a Steering or a Capture accepts, where the HF reference reads a site,
+which layers of a mixture-of-experts model have router sites, and which models have per-head
+attention sites of which shapes."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import vinterp
 from vinterp.models.tiny import tiny_config
-from vinterp.sites.modules import router_of
+from vinterp.sites.modules import heads_of, router_of, site_order
 from vinterp.sites.names import (
+    HEAD_SITES,
+    Heads,
     Router,
     SiteName,
     SiteOrder,
@@ -134,9 +138,9 @@ def test_router_sites_sit_between_the_mlp_input_and_output_of_routing_layers() -
         "layers.1.mlp.router.output",
         "layers.3.mlp.router.output",
     ]
-    assert order.row_width("layers.1.mlp.router.output", 256) == 8
-    assert order.row_width("layers.1.mlp.router.experts", 256) == 2
-    assert order.row_width("layers.1.mlp.output", 256) == 256
+    assert order.row_shape("layers.1.mlp.router.output", 256) == (8,)
+    assert order.row_shape("layers.1.mlp.router.experts", 256) == (2,)
+    assert order.row_shape("layers.1.mlp.output", 256) == (256,)
     assert is_read_only("layers.1.mlp.router.experts")
     assert not is_read_only("layers.1.mlp.router.output")
 
@@ -177,3 +181,92 @@ def test_router_layers_are_those_transformers_builds_a_router_in(arch) -> None:
     experts = model.model.layers[routed[0]].mlp.gate.weight.shape[0]
     assert (router.experts, router.top_k) == (experts, config.num_experts_per_tok)
     assert router_of(AutoConfig.for_model("llama")) is None
+
+
+HEADS = Heads(heads=8, kv_heads=2, head_dim=32)
+
+
+def test_head_sites_sit_between_the_attention_input_and_output() -> None:
+    assert parse_site("layers.2.attn.heads") == SiteName("layer", "attn", "heads", 2)
+    order = SiteOrder(3, ROUTER, HEADS)
+    layer_1 = [s for s in order.sites if s.startswith("layers.1.")]
+    assert layer_1 == [
+        "layers.1.input",
+        "layers.1.attn.input",
+        "layers.1.attn.q",
+        "layers.1.attn.k",
+        "layers.1.attn.v",
+        "layers.1.attn.heads",
+        "layers.1.attn.output",
+        "layers.1.mlp.input",
+        "layers.1.mlp.router.output",
+        "layers.1.mlp.router.experts",
+        "layers.1.mlp.output",
+        "layers.1.output",
+    ]
+    assert order.expand("layers.*.attn.k") == [f"layers.{i}.attn.k" for i in range(3)]
+    assert [order.row_shape(f"layers.0.{part}", 256) for part in HEAD_SITES] == [
+        (8, 32),
+        (2, 32),
+        (2, 32),
+        (8, 32),
+    ]
+    ids = order.ids_of(HEAD_SITES)
+    assert sorted(order.sites[i] for i in ids) == sorted(
+        f"layers.{i}.{part}" for i in range(3) for part in HEAD_SITES
+    )
+    assert not any(is_read_only(f"layers.0.{part}") for part in HEAD_SITES)
+
+
+@pytest.mark.parametrize("name", ["layers.1.attn.q", "layers.*.attn.heads"])
+def test_head_sites_on_a_model_without_them_say_why(name) -> None:
+    order = SiteOrder(4)
+    with pytest.raises(UnknownSiteError, match="no per-head attention sites.*OPT's q is scaled"):
+        order.expand(name) if "*" in name else order[name]
+    with pytest.raises(UnknownSiteError, match="unknown site"):
+        SiteOrder(4, heads=HEADS)["layers.1.attn.o"]
+
+
+def test_head_sites_are_captured_not_steered_nor_extracted() -> None:
+    from transformers import AutoConfig
+
+    from vinterp.api.extract import expand_sites
+
+    for part in HEAD_SITES:
+        assert not _steerable(f"layers.1.{part}") and _capturable(f"layers.*.{part}")
+    llm = SimpleNamespace(config=AutoConfig.for_model("llama", num_hidden_layers=2))
+    with pytest.raises(ValueError, match="attn.k is an attention head site, which extract"):
+        expand_sites(llm, ["layers.1.output", "layers.*.attn.k"])
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "gemma3_text", "phi3", "gpt2", "gpt_neox", "mixtral", "olmoe"]
+)
+def test_head_counts_are_those_of_the_transformers_model(arch) -> None:
+    """Each model's config names its heads its own way (gpt2's n_head, no kv heads or head
+    size in some): the counts equal what transformers' attention module holds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = tiny_config(arch)
+    if arch in ("gpt2", "gpt_neox"):  # their configs name no head size and no kv heads
+        del config_dict["head_dim"], config_dict["num_key_value_heads"]
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    attention = AutoModelForCausalLM.from_config(config).get_submodule(
+        {"gpt2": "transformer.h.0.attn", "gpt_neox": "gpt_neox.layers.0.attention"}.get(
+            arch, "model.layers.0.self_attn"
+        )
+    )
+    heads = heads_of(config)
+    assert heads is not None and site_order(config).heads == heads
+    head_dim = getattr(attention, "head_dim", None) or attention.head_size
+    groups = getattr(attention, "num_key_value_groups", 1)
+    assert (heads.heads // heads.kv_heads, heads.head_dim) == (groups, head_dim)
+    assert (heads.heads, heads.kv_heads) == (4, 4 if arch in ("gpt2", "gpt_neox") else 2)
+
+
+def test_opt_has_no_head_sites() -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("opt", num_hidden_layers=2)
+    assert heads_of(config) is None
+    assert "layers.0.attn.q" not in site_order(config).sites

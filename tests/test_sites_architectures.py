@@ -1,6 +1,8 @@
-"""Each supported architecture: every standardized site on vLLM equals transformers; on
-mixture-of-experts models also the router sites, a write to the router logits, and steering
-with captures (into capture buffers, and uncompiled) at them.
+"""Each supported architecture: every standardized site on vLLM equals transformers; the
+per-head attention sites (a write to k at the prompt that later steps read from the KV
+cache, a head ablation, q and k captured into capture buffers); on mixture-of-experts
+models also the router sites, a write to the router logits, and steering with captures
+(into capture buffers, and uncompiled) at them.
 
 The engines trace each model whole with Dynamo, site ops included, as every engine does, and
 run the traced graph op by op rather than through Inductor (its C++ compile is most of an
@@ -19,7 +21,7 @@ import vllm.envs
 from vllm.config import CompilationMode
 
 import vinterp
-from vinterp.sites.modules import SUPPORTED, router_of, site_order
+from vinterp.sites.modules import SUPPORTED, heads_of, router_of, site_order
 from vinterp.sites.names import parse_site
 from vinterp.sites.params import PROJECTIONS, param_shape
 
@@ -85,12 +87,14 @@ def in_process() -> Iterator[None]:
 ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]
 MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ROUTER_SITES = ["layers.*.mlp.router.output", "layers.*.mlp.router.experts"]
+HEAD_BUFFERS = ["layers.*.attn.q", "layers.*.attn.k"]
 
 
 def engine_kwargs(arch: str) -> dict[str, Any]:
-    """A mixture-of-experts engine also gets capture buffers at its router sites."""
-    buffers = {"capture_in_graph": ROUTER_SITES} if arch in MIXTURES_OF_EXPERTS else {}
-    return {**TRACED_NOT_INDUCTOR, **buffers}
+    """Capture buffers at q and k, and on a mixture-of-experts engine at its router sites."""
+    routers = ROUTER_SITES if arch in MIXTURES_OF_EXPERTS else []
+    heads = HEAD_BUFFERS if arch != "opt" else []
+    return {**TRACED_NOT_INDUCTOR, "capture_in_graph": [*routers, *heads] or False}
 
 
 WITH_HF_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
@@ -124,15 +128,88 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
     assert steered == write_middle(hf)
     assert steered != baseline
     if arch in WITH_HF_PROJECTIONS:  # merged / packed engine layers split back, exactly
-        got, want = read_params(llm), read_params(hf)
+        params, want_params = read_params(llm), read_params(hf)
         for name in PARAMS:
-            assert torch.equal(got[name], want[name]), name
-        assert want["layers.1.self_attn.k_proj.weight"].shape == param_shape(llm.config, PARAMS[3])
+            assert torch.equal(params[name], want_params[name]), name
+        k_proj = want_params["layers.1.self_attn.k_proj.weight"]
+        assert k_proj.shape == param_shape(llm.config, PARAMS[3])
     else:
         with pytest.raises(vinterp.InterventionError, match="llm.raw"):
             read_params(llm)
     if arch in MIXTURES_OF_EXPERTS:
         check_routers(llm, hf, got)
+    if heads_of(llm.config) is not None:
+        check_heads(llm, hf, got)
+    else:  # opt: transformers scales q before attention
+        assert "layers.1.attn.q" not in got
+        with pytest.raises(vinterp.TraceError, match="no per-head attention sites"):
+            with llm.trace(PROMPT, max_tokens=1):
+                llm.layers[1].attn.q.save()
+
+
+def check_heads(llm: vinterp.LLM, hf: vinterp.LLM, unedited: dict[str, torch.Tensor]) -> None:
+    """The per-head sites were among the sites compared. A write to k at the prompt is what
+    the next step's attention reads from the KV cache, and tokens follow it as on HF; a head
+    ablation equals HF's; q and k of the last prompt token are captured into the capture
+    buffers, in a compiled step."""
+    heads = heads_of(llm.config)
+    tokens = len(unedited["layers.1.input"])
+    assert unedited["layers.1.attn.q"].shape == (tokens, heads.heads, heads.head_dim)
+    assert unedited["layers.1.attn.v"].shape == (tokens, heads.kv_heads, heads.head_dim)
+    got, want = write_keys(llm), write_keys(hf)
+    assert got["tokens"] == want["tokens"]
+    for name in ("written", "q", "k", "v", "heads", "logits"):
+        assert rel_err(got[name], want[name]) < 1e-4, name
+    # the next step attends to the written prompt keys: softmax(q K^T / sqrt(d)) V, every
+    # tiny model scaling by 1/sqrt(head_dim) with no soft cap and windows past the prompt
+    groups = heads.heads // heads.kv_heads
+    keys = torch.cat([got["written"], got["k"]]).repeat_interleave(groups, dim=1)
+    values = torch.cat([unedited["layers.1.attn.v"], got["v"]]).repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,shd->hts", got["q"], keys) / heads.head_dim**0.5
+    attended = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+    assert rel_err(got["heads"], attended) < 1e-5
+    ablated, want_ablated = ablate_head(llm), ablate_head(hf)
+    assert ablated[0] == want_ablated[0] and rel_err(ablated[1], want_ablated[1]) < 1e-4
+    assert rel_err(ablated[1], unedited["logits"]) > 1e-4
+    before = llm.step_stats()
+    captured = captured_last_prompt(llm)
+    after = llm.step_stats()
+    assert after["graph_capture_steps"] > before["graph_capture_steps"]
+    assert after["uncompiled_steps"] == before["uncompiled_steps"]
+    for site, value in captured_last_prompt(hf).items():
+        assert rel_err(captured[site], value) < 1e-4, site
+        assert rel_err(captured[site], unedited[site][-1:]) < 1e-4, site
+
+
+def write_keys(llm: vinterp.LLM) -> dict[str, Any]:
+    """Layer 1's prompt keys flipped and scaled at the prompt step; the next step's q, k, v,
+    heads, the last logits and the tokens."""
+    out: dict[str, Any] = {}
+    with llm.trace(PROMPT, max_tokens=4, ignore_eos=True) as tr:
+        written = llm.layers[1].attn.k * -4.0
+        llm.layers[1].attn.k = written
+        out["written"] = written.save()
+        for _ in tr.iter[1]:
+            for part in ("q", "k", "v", "heads"):
+                out[part] = getattr(llm.layers[1].attn, part).save()
+        for _ in tr.iter[3]:
+            out["logits"] = llm.logits.save()
+    out = {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+    return {**out, "tokens": tr.outputs[0].token_ids}
+
+
+def ablate_head(llm: vinterp.LLM) -> tuple[list[int], torch.Tensor]:
+    """Head 2 of layer 1 zeroed at every step: the tokens and the prompt's logits."""
+    with llm.trace(PROMPT, max_tokens=4, ignore_eos=True) as tr:
+        for _ in tr.iter[:]:
+            llm.layers[1].attn.heads[:, 2] = 0
+        logits = llm.logits.save()
+    return tr.outputs[0].token_ids, logits
+
+
+def captured_last_prompt(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
+    capture = vinterp.Capture(["layers.1.attn.q", "layers.1.attn.k"], positions="last_prompt")
+    return llm.generate(PROMPT, max_tokens=2, capture=capture)[0].captures
 
 
 def check_routers(llm: vinterp.LLM, hf: vinterp.LLM, unedited: dict[str, torch.Tensor]) -> None:

@@ -1,5 +1,6 @@
 """Shards -> whole tensors, without an engine: the layouts vLLM uses for merged and vocab
-layers at TP sizes the CPU engine tests do not reach (replicated kv heads, vocab padding)."""
+layers and attention heads at TP sizes the CPU engine tests do not reach (replicated kv
+heads, vocab padding)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     pad_vocab_size,
 )
 
-from vinterp.runtime.tensor_parallel import _column_parts, _vocab_rows
+from vinterp.runtime.tensor_parallel import _column_parts, _rank_heads, _vocab_rows, _whole_heads
 
 
 def shard_qkv(q, k, v, tp: int, kv_heads: int, head_dim: int):
@@ -69,3 +70,21 @@ def test_vocab_rows_drop_padding(tp, vocab) -> None:
     assert torch.equal(_vocab_rows(layer, shards, dim=0), full)
     logits = [s.t() for s in shards]  # (3, per_rank): vocab along the last axis
     assert torch.equal(_vocab_rows(layer, logits, dim=-1), full.t())
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (4, 2), (4, 1), (2, 4)])
+def test_heads_come_back_whole_and_go_back_to_their_ranks(tp, kv_heads) -> None:
+    """Per-head activations (T, heads, head_dim) are sharded as the qkv projection's rows."""
+    tokens, heads, head_dim = 3, 4, 8
+    q, k = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    rows = [x.reshape(tokens, -1).t() for x in (q, k, k)]  # a "weight" row per output
+    layer, shards = shard_qkv(*rows, tp, kv_heads, head_dim)
+    parts = [shard.split(layer.output_partition_sizes) for shard in shards]
+    q_shards = [p[0].t().reshape(tokens, -1, head_dim) for p in parts]
+    k_shards = [p[1].t().reshape(tokens, -1, head_dim) for p in parts]
+    assert torch.equal(_whole_heads(q_shards, heads), q)
+    assert torch.equal(_whole_heads(k_shards, kv_heads), k)
+    for rank in range(tp):
+        local_q, local_k = q_shards[rank].shape[1], k_shards[rank].shape[1]
+        assert torch.equal(_rank_heads(q, local_q, rank, tp), q_shards[rank])
+        assert torch.equal(_rank_heads(k, local_k, rank, tp), k_shards[rank])

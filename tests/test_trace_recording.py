@@ -102,3 +102,40 @@ def test_router_sites_have_their_shapes_and_exist_on_mixtures_of_experts_only(en
     with pytest.raises(vinterp.TraceError, match="this model has no router"):
         with llm.trace(PROMPT, max_tokens=1):
             llm.layers[0].mlp.router.output.save()
+
+
+def test_head_sites_have_their_shapes_on_each_attention_layout(engines, llm) -> None:
+    """Grouped kv heads (llama, qwen3: q/k norms), every head its own (gpt2's merged c_attn,
+    gpt_neox's partial rotary): the shapes known while recording are the values' shapes."""
+    tokens = len(llm.tokenizer(PROMPT).input_ids)
+    for arch, kv_heads in [("llama", 2), ("qwen3", 2), ("gpt2", 4), ("gpt_neox", 4)]:
+        model = engines.hf(vinterp.models.tiny(arch))
+        with model.trace(PROMPT, max_tokens=1):
+            attn = model.layers[1].attn
+            values = {part: getattr(attn, part) for part in ("q", "k", "v", "heads")}
+            known = {part: tuple(value.shape) for part, value in values.items()}
+            saved = {part: value.save() for part, value in values.items()}
+        assert known == {part: tuple(value.shape) for part, value in saved.items()}, arch
+        assert known["q"] == known["heads"] == (tokens, 4, 64), arch
+        assert known["k"] == known["v"] == (tokens, kv_heads, 64), arch
+    with pytest.raises(AttributeError, match="has no site 'o'; it has .input, .output, .q, .k"):
+        with llm.trace(PROMPT, max_tokens=1):
+            llm.layers[0].attn.o
+    opt = engines.hf(vinterp.models.tiny("opt"))  # q scaled before attention in transformers
+    with pytest.raises(vinterp.TraceError, match="no per-head attention sites"):
+        with opt.trace(PROMPT, max_tokens=1):
+            opt.layers[0].attn.q.save()
+
+
+def test_a_head_ablation_is_what_the_output_projection_reads(llm) -> None:
+    with llm.trace(PROMPT, max_tokens=1):
+        heads = llm.layers[1].attn.heads.save()
+        llm.layers[1].attn.heads[:, 2] = 0
+        output = llm.layers[1].attn.output.save()
+    o_proj = llm.engine.model.layers[1].self_attn.o_proj
+    ablated = heads.clone()
+    ablated[:, 2] = 0
+    with torch.no_grad():
+        want, unablated = o_proj(ablated.flatten(1)), o_proj(heads.flatten(1))
+    assert float((output - want).norm() / want.norm()) < 1e-6
+    assert float((output - unablated).norm() / unablated.norm()) > 1e-2

@@ -6,7 +6,13 @@ from vinterp.api.async_llm import AsyncLLM
 from vinterp.api.client import AsyncClient, Client
 from vinterp.api.requests import Request
 from vinterp.engine.outputs import Output
-from vinterp.errors import InterventionError, OutOfOrderError, TraceError, VinterpError
+from vinterp.errors import (
+    CaptureWriteError,
+    InterventionError,
+    OutOfOrderError,
+    TraceError,
+    VinterpError,
+)
 from vinterp.wire.json_form import captures_from_json
 from vinterp.wire.specs import Capture, Steering
 
@@ -14,6 +20,7 @@ __all__ = [
     "AsyncClient",
     "AsyncLLM",
     "Capture",
+    "CaptureWriteError",
     "Client",
     "LLM",
     "Request",

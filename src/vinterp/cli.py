@@ -165,6 +165,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     given = {
         "body_bytes": args.max_body_mb and args.max_body_mb << 20,
+        "body_seconds": args.max_body_seconds,
         "nodes": args.max_trace_nodes,
         "invokes": args.max_trace_invokes,
         "max_tokens": args.max_trace_tokens,
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     defaults = ServeLimits()
     for flag, field, what in (
         ("--max-body-mb", "body_bytes", "request body, MiB (larger: 413 before it is read)"),
+        ("--max-body-seconds", "body_seconds", "seconds a request body may take to arrive (408)"),
         ("--max-trace-nodes", "nodes", "nodes of one trace"),
         ("--max-trace-invokes", "invokes", "invokes of one trace"),
         ("--max-trace-tokens", "max_tokens", "max_tokens of one trace invoke"),

@@ -1,4 +1,5 @@
-"""Errors a trace raises at its `with` exit (API.md section 4)."""
+"""vinterp's errors: those a trace raises at its `with` exit (API.md section 4), and a
+capture sink's."""
 
 from __future__ import annotations
 
@@ -17,3 +18,13 @@ class OutOfOrderError(TraceError):
 
 class InterventionError(VinterpError, RuntimeError):
     """An operation failed while the engine ran it; names the user's file:line."""
+
+
+class CaptureWriteError(VinterpError, OSError):
+    """A filesystem sink could not write some requests' captures (a full disk, a folder it
+    may not write). Nothing else is lost: `outputs` holds every request's output, with the
+    files that were written named in them."""
+
+    def __init__(self, message: str, outputs: list) -> None:
+        super().__init__(message)
+        self.outputs = outputs

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vinterp.api.llm import LocalModel
-from vinterp.api.requests import Request, agenerate, deliver, prepare
+from vinterp.api.requests import Request, agenerate, deliver_all, prepare
 from vinterp.api.steering_control import AsyncSteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.outputs import Output
@@ -80,7 +80,7 @@ class AsyncLLM(LocalModel):
         async for out, finished in stream:
             if finished and req.capture is not None:
                 rows = await self.backend.take_captures([req.capture_id])
-                deliver(req, out, rows.get(req.capture_id, {}), 0, self.model_name)
+                deliver_all([req], [out], rows, self.model_name)
             yield out
 
     async def step_stats(self) -> dict[str, int]:

@@ -21,7 +21,10 @@ class TraceSource(Protocol):
 
 
 class SitePoint:
-    """A module position with `.input` and/or `.output` sites (e.g. `layers.3.mlp`)."""
+    """A module position with `.input` and/or `.output` sites (e.g. `layers.3.mlp`), and
+    the sites named in `_parts` (e.g. `layers.3.attn.q`)."""
+
+    _parts: tuple[str, ...] = ()
 
     def __init__(self, llm: TraceSource, prefix: str) -> None:
         object.__setattr__(self, "_llm", llm)
@@ -49,16 +52,21 @@ class SitePoint:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in self._parts:
+            return self._llm.active_trace().record_read(self._site(name))
         if name == "weight" and is_param_prefix(self._prefix):
             return self._llm.active_trace().record_param(f"{self._prefix}.weight")
         if is_param_prefix(f"{self._prefix}.{name}"):
             return ParamPoint(self._llm, f"{self._prefix}.{name}")
-        parts = ".input, .output" + (", .attn, .mlp" if self._prefix.count(".") == 1 else "")
+        parts = ".input, .output" + "".join(f", .{part}" for part in self._parts)
+        parts += ", .attn, .mlp" if self._prefix.count(".") == 1 else ""
         raise AttributeError(f"{self._prefix} has no site {name!r}; it has {parts}")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("input", "output"):
             object.__setattr__(self, name, value)  # goes through the property setter
+        elif name in self._parts:
+            self._llm.active_trace().record_write(self._site(name), value)
         elif name == "weight":
             raise AttributeError(READ_ONLY)
         else:
@@ -111,15 +119,15 @@ class RouterPoint(SitePoint):
     logits, `.experts` the ids of the experts it picks (read-only: a write is refused at the
     trace's exit, as it is over the wire)."""
 
-    @property
-    def experts(self) -> Any:
-        return self._llm.active_trace().record_read(self._site("experts"))
+    _parts = ("experts",)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "experts":
-            self._llm.active_trace().record_write(self._site("experts"), value)
-        else:
-            super().__setattr__(name, value)
+
+class AttnPoint(SitePoint):
+    """`llm.layers[i].attn`: besides `.input` and `.output`, per head `.q`, `.k`, `.v` (as
+    attention uses them, after rotary embedding) and `.heads` (each head's output, before the
+    output projection), (T, heads, head_dim)."""
+
+    _parts = ("q", "k", "v", "heads")
 
 
 class MlpPoint(SitePoint):
@@ -131,7 +139,7 @@ class MlpPoint(SitePoint):
 class Layer(SitePoint):
     def __init__(self, llm: TraceSource, index: int) -> None:
         super().__init__(llm, f"layers.{index}")
-        object.__setattr__(self, "attn", SitePoint(llm, f"layers.{index}.attn"))
+        object.__setattr__(self, "attn", AttnPoint(llm, f"layers.{index}.attn"))
         object.__setattr__(self, "mlp", MlpPoint(llm, f"layers.{index}.mlp"))
         object.__setattr__(self, "self_attn", ParamPoint(llm, f"layers.{index}.self_attn"))
 

@@ -38,7 +38,7 @@ from vinterp.engine.limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import ROUTER_SITES, UnknownSiteError, parse_site
+from vinterp.sites.names import HEAD_SITES, ROUTER_SITES, UnknownSiteError, parse_site
 from vinterp.store import (
     COLUMN_DTYPE,
     STORED_DTYPES,
@@ -315,12 +315,14 @@ def expand_sites(llm: Any, sites: str | list[str]) -> list[str]:
         expanded = {site: None for pattern in names for site in order.expand(pattern)}
     except UnknownSiteError as exc:
         raise ValueError(f"sites: {exc}") from None
-    routed = [site for site in expanded if parse_site(site).part in ROUTER_SITES]
-    if routed:  # the dataset's columns are rows of the hidden size
-        raise ValueError(
-            f"sites: {routed[0]} is a router site, which extract does not store; capture it "
-            "with llm.generate(..., capture=vinterp.Capture(...))"
-        )
+    for site in expanded:  # the dataset's columns are rows of the hidden size
+        part = parse_site(site).part
+        if part in ROUTER_SITES or part in HEAD_SITES:
+            kind = "a router" if part in ROUTER_SITES else "an attention head"
+            raise ValueError(
+                f"sites: {site} is {kind} site, which extract does not store; capture it "
+                "with llm.generate(..., capture=vinterp.Capture(...))"
+            )
     return sorted(expanded, key=order.__getitem__)
 
 

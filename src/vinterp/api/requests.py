@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from vinterp.api.front_end import TraceFrontEnd
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
-from vinterp.errors import InterventionError
+from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import UnknownSiteError
+from vinterp.store.files import write_atomic
 from vinterp.wire.specs import Capture, RequestSpecs, Steering, selected_count, steering_misfit
 
 log = logging.getLogger("vinterp.capture")
@@ -169,10 +170,25 @@ def capture_ids(requests: list[Prepared]) -> list[str]:
 def deliver_all(
     requests: list[Prepared], outputs: list[Output], rows: dict[str, Any], model: str
 ) -> None:
-    """Every capturing request's rows (taken from the workers by capture id) to its sink."""
+    """Every capturing request's rows (taken from the workers by capture id) to its sink. A
+    request whose file cannot be written does not stop the others'; CaptureWriteError then
+    says which failed, and carries every output."""
+    failed: list[tuple[int, OSError]] = []
     for k, req in enumerate(requests):
         if req.capture is not None:
-            deliver(req, outputs[k], rows.get(req.capture_id, {}), k, model)
+            try:
+                deliver(req, outputs[k], rows.get(req.capture_id, {}), k, model)
+            except OSError as exc:
+                failed.append((k, exc))
+    if failed:
+        k, exc = failed[0]
+        raise CaptureWriteError(
+            f"the captures of {len(failed)} of {len(requests)} requests (the first: request "
+            f"{k}) could not be written to {requests[k].capture.path or '.'}: {exc}; free room "
+            "there or give Capture(path=...) another folder. Every output, naming the files "
+            "that were written, is in this error's .outputs",
+            outputs,
+        ) from exc
 
 
 def deliver(req: Prepared, out: Output, rows: dict[str, Any], index: int, model: str) -> None:
@@ -194,7 +210,8 @@ def deliver(req: Prepared, out: Output, rows: dict[str, Any], index: int, model:
             "prompt_token_ids": json.dumps(req.prompt),
             "token_ids": json.dumps(out.token_ids),
         }
-        save_file({s: t.contiguous() for s, t in tensors.items()}, str(file), metadata=metadata)
+        data = save({s: t.contiguous() for s, t in tensors.items()}, metadata=metadata)
+        write_atomic(file, lambda f: f.write(data))  # a full disk leaves no torn file
         out.capture_file = str(file)
     else:
         shapes = {s: tuple(t.shape) for s, t in tensors.items()}

@@ -181,9 +181,9 @@ class Trace:
             return torch.empty(1, config.vocab_size, device="meta")
         if site == "samples":
             return torch.empty(1, dtype=torch.long, device="meta")
-        width = self._sites.row_width(site, config.hidden_size)
+        row = self._sites.row_shape(site, config.hidden_size)
         ids = parse_site(site).value == "experts"  # a router's expert ids
-        return torch.empty(tokens, width, dtype=torch.long if ids else None, device="meta")
+        return torch.empty(tokens, *row, dtype=torch.long if ids else None, device="meta")
 
     def record_read(self, site: str) -> Value:
         invoke = self._current_invoke(f"reading {site}")

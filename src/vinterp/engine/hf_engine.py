@@ -15,6 +15,7 @@ from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
+from vinterp.sites.hf_attention import install_head_sites
 from vinterp.sites.hf_hooks import install_hf_hooks
 from vinterp.sites.modules import find_site_modules, site_order, unhooked
 from vinterp.sites.params import hf_param
@@ -50,6 +51,8 @@ class HFEngine:
         self.order = site_order(self.model.config)
         self.steps = 0
         install_hf_hooks(self.sites, self._at_site, self.order.router)
+        if self.order.heads is not None:
+            install_head_sites(self.model, self.sites, self._at_site)
 
     @property
     def native(self) -> Any:

@@ -77,8 +77,8 @@ class HFInterventions:
 
     def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
         """Steer the current step's (T, H) rows at `site` and record what is captured there
-        (a router site's rows are (T, experts) or (T, top_k)); the steered value, or None when
-        no steering applies."""
+        (a router site's rows are (T, experts) or (T, top_k), a per-head site's (T, heads,
+        head_dim)); the steered value, or None when no steering applies."""
         request = self.current
         if request is None:
             return None

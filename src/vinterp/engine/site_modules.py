@@ -9,7 +9,12 @@ from the loaded modules:
 - blocks whose forward takes a `residual` pass (hidden, residual) between blocks, their sum
   being the HF residual stream (layer 0's input is the embedding alone);
 - a mixture-of-experts router (its gate linear) returns (logits, bias): its sites are the
-  logits and the experts they pick (`site_ops.router_site`).
+  logits and the experts they pick (`site_ops.router_site`);
+- vLLM's attention layer (`vllm...layers.attention.Attention`, inside each architecture's
+  attention module) takes q, k, v after rotary embedding, writes k and v into the paged KV
+  cache and returns the heads' outputs, all flat (tokens, heads * head_dim): the per-head
+  sites are its inputs and output (`site_ops.head_site`), so a written k or v is what the
+  cache keeps for later steps.
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vinterp.engine.site_ops import SiteCalls, plain_site, router_site, stream_site
+from vinterp.engine.site_ops import SiteCalls, head_site, plain_site, router_site, stream_site
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.modules import SiteModules
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, UnknownSiteError
 
 _HIDDEN_KWARGS = ("hidden_states", "x")
 BUFFERS_NAME = "vinterp_steer"
@@ -42,6 +47,9 @@ class SiteIO:
     stream: bool = False
     experts_id: int | None = None  # a router: output_id are its logits, these its expert ids
     top_k: int = 0
+    q_id: int | None = None  # vLLM's attention layer: q, k, v in, the heads (output_id) out
+    k_id: int | None = None
+    v_id: int | None = None
 
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
@@ -56,6 +64,8 @@ def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwarg
             hidden, residual = stream_site(steer, capture, calls, io.input_id, hidden, residual)
         hidden, residual = inner(module, positions, hidden, residual, **kwargs)
         return stream_site(steer, capture, calls, io.output_id, hidden, residual)
+    if io.q_id is not None:
+        return _attention_with_sites(module, io, inner, args, kwargs, capture, calls)
     if io.input_id is not None:
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
@@ -72,6 +82,37 @@ def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwarg
     if isinstance(out, tuple):
         return (plain_site(steer, capture, calls, io.output_id, out[0]), *out[1:])
     return plain_site(steer, capture, calls, io.output_id, out)
+
+
+def _attention_with_sites(
+    module: nn.Module,
+    io: SiteIO,
+    inner: Any,
+    args: Any,
+    kwargs: Any,
+    capture: CaptureBuffers | None,
+    calls: SiteCalls | None,
+) -> Any:
+    """vLLM's attention layer, called as `attn(q, k, v)` by every architecture's attention."""
+    query, key, value, *rest = args
+    shapes = _head_shapes(module)
+    query = head_site(capture, calls, io.q_id, query, *shapes["q"])
+    key = head_site(capture, calls, io.k_id, key, *shapes["k"])
+    value = head_site(capture, calls, io.v_id, value, *shapes["v"])
+    out = inner(module, query, key, value, *rest, **kwargs)
+    return head_site(capture, calls, io.output_id, out, *shapes["heads"])
+
+
+def _head_shapes(attention: nn.Module) -> dict[str, tuple[int, int]]:
+    """(heads, head_dim) at each per-head site of a vLLM attention layer: this worker's own
+    heads (under tensor parallelism a slice of them)."""
+    heads, kv_heads = attention.num_heads, attention.num_kv_heads
+    return {
+        "q": (heads, attention.head_size),
+        "k": (kv_heads, attention.head_size),
+        "v": (kv_heads, attention.head_size_v),
+        "heads": (heads, attention.head_size_v),
+    }
 
 
 _SUBCLASSES: dict[tuple[type, str], type] = {}
@@ -132,6 +173,7 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
             (modules.attn(layer), "forward", {"output_id": order[f"layers.{i}.attn.output"]}),
             (modules.mlp_input(layer), "forward", {"input_id": order[f"layers.{i}.mlp.input"]}),
             (modules.mlp_output(layer), "forward", {"output_id": order[f"layers.{i}.mlp.output"]}),
+            *_heads_placement(modules, order, i, layer),
             *_router_placement(modules, order, i, layer),
             (
                 layer,
@@ -163,20 +205,48 @@ def _router_placement(
     return [(modules.router(layer), "forward", io)]
 
 
+def _heads_placement(
+    modules: SiteModules, order: SiteOrder, i: int, layer: nn.Module
+) -> list[tuple[nn.Module, str, dict]]:
+    """Layer i's attention layer, if the model has per-head sites: q, k, v and the heads."""
+    if order.heads is None:
+        return []
+    io = {f"{part}_id": order[f"layers.{i}.attn.{part}"] for part in ("q", "k", "v")}
+    io["output_id"] = order[f"layers.{i}.attn.heads"]
+    return [(_attention_layer(modules, layer), "forward", io)]
+
+
+def _attention_layer(modules: SiteModules, layer: nn.Module) -> nn.Module:
+    """vLLM's attention layer inside a layer's attention module (its `attn`)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    found = getattr(modules.attn(layer), "attn", None)
+    if not isinstance(found, Attention):
+        raise UnknownSiteError(
+            f"the per-head attention sites need vLLM's Attention layer at "
+            f"{modules.attn_name}.attn; {type(modules.attn(layer)).__name__} has none"
+        )
+    return found
+
+
 def _row_shapes(
     modules: SiteModules, order: SiteOrder, dtype: torch.dtype
-) -> dict[int, tuple[int, torch.dtype]]:
-    """(width, dtype) of the router sites' rows: the logits in the gate's output dtype, the
-    expert ids as int64."""
+) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of the rows of the router and per-head sites: a router's logits in the
+    gate's output dtype, its expert ids as int64; the heads of this worker's attention layer
+    in the model's dtype."""
     router = order.router
-    shapes: dict[int, tuple[int, torch.dtype]] = {}
-    for i in router.layers if router else ():
-        if not modules.holds_layer(modules.layers[i]):
+    shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+    for i, layer in enumerate(modules.layers):
+        if not modules.holds_layer(layer):
             continue  # another pipeline stage's layer
-        gate = modules.router(modules.layers[i])
-        logits_dtype = getattr(gate, "out_dtype", None) or dtype
-        shapes[order[f"layers.{i}.mlp.router.output"]] = (router.experts, logits_dtype)
-        shapes[order[f"layers.{i}.mlp.router.experts"]] = (router.top_k, torch.long)
+        if router is not None and i in router.layers:
+            logits_dtype = getattr(modules.router(layer), "out_dtype", None) or dtype
+            shapes[order[f"layers.{i}.mlp.router.output"]] = ((router.experts,), logits_dtype)
+            shapes[order[f"layers.{i}.mlp.router.experts"]] = ((router.top_k,), torch.long)
+        if order.heads is not None:
+            for part, shape in _head_shapes(_attention_layer(modules, layer)).items():
+                shapes[order[f"layers.{i}.attn.{part}"]] = (shape, dtype)
     return shapes
 
 

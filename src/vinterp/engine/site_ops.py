@@ -1,7 +1,7 @@
 """What runs at every standardized site inside vLLM's model.
 
-Up to three parts, so that graph replay never skips an intervention (a router's sites have
-no steering: its logits are not the residual stream):
+Up to three parts, so that graph replay never skips an intervention (router and per-head
+sites have no steering: their values are not the residual stream):
 - steering, as plain tensor ops on persistent buffers (`interventions.steer_buffers`): compiled
   into the model and replayed in CUDA graphs, so it holds in every step;
 - with `capture_in_graph`, capture the same way (`interventions.capture_buffers`), after steering;
@@ -113,3 +113,24 @@ def router_site(
         if calling:
             calls.site(experts_id, experts)  # type: ignore[union-attr]
     return logits
+
+
+def head_site(
+    capture: CaptureBuffers | None,
+    calls: SiteCalls | None,
+    site_id: int,
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """A per-head site: vLLM's flat (tokens, heads * head_dim) attention tensor, seen as the
+    (tokens, heads, head_dim) view; captured, then (in uncompiled steps) the Python handler,
+    whose replacement goes on flat."""
+    view = x.view(x.shape[0], heads, head_dim)
+    if capture is not None:
+        capture(site_id, view)
+    if _calling(calls):
+        out = calls.site(site_id, view)  # type: ignore[union-attr]
+        if out is not None:
+            return out.reshape(x.shape)
+    return x

@@ -24,6 +24,7 @@ from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules, site_order
+from vinterp.sites.names import HEAD_SITES
 
 RUNTIME_ATTR = "_vinterp_runtime"
 SITE_CALLS_ATTR = "_vinterp_site_calls"
@@ -74,9 +75,15 @@ def install_on_runner(runner: Any) -> None:
         settings.get(CAPTURE_ROWS_KEY), scheduler.max_num_seqs, scheduler.max_num_batched_tokens
     )
     capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    if get_tensor_model_parallel_world_size() > 1:  # per-head sites: gathered, uncompiled
+        capture_sites -= order.ids_of(HEAD_SITES)
     calls = SiteCalls()
     capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
-    from vllm.distributed import get_tensor_model_parallel_rank
 
     runtime = WorkerRuntime(
         runner,

@@ -25,7 +25,7 @@ from torch import nn
 from vinterp.interventions.applied import AppliedCounters
 from vinterp.interventions.tables import SiteCapture
 from vinterp.interventions.uploads import upload
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import HEAD_SITES, ROUTER_SITES, SiteOrder
 from vinterp.wire.tensors import is_int
 
 BufferSetting = bool | list[str]  # every site / none, or site names and patterns
@@ -72,9 +72,11 @@ def buffer_rows(setting: RowsSetting, max_num_seqs: int, step_tokens: int) -> in
 
 def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
     """The sites that get capture buffers, on every worker (a pipeline stage holds some of
-    them). An unknown name raises `UnknownSiteError`, which says what would be right."""
+    them): True buffers every site of hidden-size rows; per-head and router sites get
+    buffers when named, so True costs what it did on models without them. An unknown name
+    raises `UnknownSiteError`, which says what would be right."""
     if setting is True:
-        return frozenset(range(len(order.sites)))
+        return frozenset(range(len(order.sites))) - order.ids_of((*HEAD_SITES, *ROUTER_SITES))
     if not setting:
         return frozenset()
     return frozenset(order[site] for pattern in setting for site in order.expand(pattern))
@@ -91,10 +93,10 @@ class CaptureBuffers(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         counters: AppliedCounters | None = None,
-        row_shapes: dict[int, tuple[int, torch.dtype]] | None = None,
+        row_shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
-        """`row_shapes`: (width, dtype) of the rows of sites that are not (hidden_size, dtype),
-        e.g. a router's logits and expert ids."""
+        """`row_shapes`: (shape, dtype) of the rows of sites that are not ((hidden_size,),
+        dtype), e.g. a router's logits and expert ids, a per-head site's (heads, head_dim)."""
         super().__init__()
         self.max_rows = max_rows
         self.counters = counters  # with the check on (`interventions.applied`)
@@ -104,8 +106,8 @@ class CaptureBuffers(nn.Module):
         self.site_ids = chosen.intersection(held)  # those this worker's model holds (PP: a stage)
         shapes = row_shapes or {}
         for site_id in sorted(self.site_ids):
-            width, row_dtype = shapes.get(site_id, (hidden_size, dtype))
-            rows = torch.zeros(max_rows, width, dtype=row_dtype, device=device)
+            shape, row_dtype = shapes.get(site_id, ((hidden_size,), dtype))
+            rows = torch.zeros(max_rows, *shape, dtype=row_dtype, device=device)
             self.register_buffer(f"rows_{site_id}", rows, persistent=False)
         self.active = False  # whether this step captures through the buffers
         self._on_device = np.zeros(tuple(self.index.shape), dtype=np.int32)  # what `index` holds

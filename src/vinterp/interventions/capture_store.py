@@ -28,6 +28,10 @@ class CaptureStore:
     def __init__(self) -> None:
         self._chunks: dict[str, dict[str, list[_Chunk]]] = defaultdict(lambda: defaultdict(list))
 
+    def held(self) -> int:
+        """How many capture ids have rows here, untaken."""
+        return len(self._chunks)
+
     def record_site(self, site: str, capture: SiteCapture, value: torch.Tensor) -> None:
         """Gather this step's recorded rows of a site's whole value."""
         gathered = value.detach().index_select(0, capture.rows_on(value.device))

@@ -2,11 +2,12 @@
 
 Under tensor parallelism a column-parallel layer holds a slice of its outputs on each rank
 (merged layers — qkv, gate_up — a slice of each part), a row-parallel layer a slice of its
-inputs, and a vocab-parallel embedding a block of vocabulary rows plus padding. A trace must
-read the same tensor at any TP size (nnsight once returned another token's lm_head row on the
-rank that did not own it), so every value leaves here whole and in HF order. The gathers are
-collectives: every rank of the group runs them, in the same order, which holds because all
-TP ranks run the same trace graph on the same steps.
+inputs, an attention layer some of the heads (each kv head on several ranks when there are
+fewer kv heads than ranks), and a vocab-parallel embedding a block of vocabulary rows plus
+padding. A trace must read the same tensor at any TP size (nnsight once returned another
+token's lm_head row on the rank that did not own it), so every value leaves here whole and in
+HF order. The gathers are collectives: every rank of the group runs them, in the same order,
+which holds because all TP ranks run the same trace graph on the same steps.
 """
 
 from __future__ import annotations
@@ -61,6 +62,37 @@ def _column_parts(layer: nn.Module, shards: list[torch.Tensor], dim: int) -> lis
         torch.cat([pieces[r][j] for r in range(0, len(shards), replicas[j])], dim=dim)
         for j in range(len(sizes))
     ]
+
+
+def _head_replicas(tp: int, local: int, heads: int) -> int:
+    """How many consecutive ranks hold the same heads: 1, or for kv heads fewer than the
+    ranks, ranks / kv heads (vLLM replicates each kv head)."""
+    return max(1, tp * local // heads)
+
+
+def _whole_heads(shards: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """(T, heads, head_dim) from every rank's (T, local heads, head_dim), one copy of each
+    head."""
+    replicas = _head_replicas(len(shards), shards[0].shape[1], heads)
+    return torch.cat(shards[::replicas], dim=1)
+
+
+def _rank_heads(whole: torch.Tensor, local: int, rank: int, tp: int) -> torch.Tensor:
+    """The `local` heads of whole (T, heads, head_dim) values that rank `rank` holds."""
+    first = rank // _head_replicas(tp, local, whole.shape[1]) * local
+    return whole[:, first : first + local]
+
+
+def full_heads(local: torch.Tensor, heads: int) -> torch.Tensor:
+    """A per-head site's (T, heads, head_dim) from this rank's slice of its heads."""
+    return _whole_heads(per_rank(local), heads)
+
+
+def own_heads(whole: torch.Tensor, local: int) -> torch.Tensor:
+    """This rank's `local` heads of a per-head site's whole (T, heads, head_dim) value."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return _rank_heads(whole, local, get_tensor_model_parallel_rank(), _tp_size())
 
 
 def _vocab_rows(layer: nn.Module, shards: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -32,9 +32,15 @@ from vinterp.interventions.worker_state import WorkerInterventions
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.executor import Failure, TraceRun
 from vinterp.runtime.pipeline import StageValues, last_stage_start
-from vinterp.runtime.tensor_parallel import VLLMParams, full_logits, full_raw
+from vinterp.runtime.tensor_parallel import (
+    VLLMParams,
+    full_heads,
+    full_logits,
+    full_raw,
+    own_heads,
+)
 from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.names import HEAD_SITES, SiteOrder, UnknownSiteError, parse_site
 from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -122,7 +128,12 @@ class WorkerRuntime:
             "param": VLLMParams(runner.get_model(), modules).read,
         }
         self.ships_results = ships_results  # one TP rank per stage ships saves and captures
-        from vllm.distributed import get_pp_group
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+
+        # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
+        tp = get_tensor_model_parallel_world_size()
+        self.sharded = order.ids_of(HEAD_SITES) if tp > 1 else frozenset()
+        self.captured_sites: frozenset[str] = frozenset()  # those this step's captures name
 
         self.last_stage_start = last_stage_start(order.num_layers, get_pp_group().world_size)
         self.pipeline = StageValues(_last_position(modules, order))
@@ -192,6 +203,7 @@ class WorkerRuntime:
             "requests": len(self.requests),
             "exports": len(self.pipeline.exports),
             "received": len(self.pipeline.received),
+            "captures": self.interventions.store.held(),
         }
 
     @property
@@ -335,7 +347,10 @@ class WorkerRuntime:
             self.check.begin()
         self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
         capturing = self.python_step or self.graph_capture_step
-        self.interventions.begin_capture_step(self._captures(layout) if capturing else [])
+        captures = self._captures(layout) if capturing else []
+        self.interventions.begin_capture_step(captures)
+        if self.sharded:  # known on every rank, unlike the capture tables of the shipping one
+            self.captured_sites = frozenset(site for _, c in captures for site in c.sites)
         if self.capture_buffers is not None:  # also empties the index after a capturing step
             tables = self.interventions.capture_tables if self.graph_capture_step else {}
             self.capture_buffers.write({self.order[s]: t for s, t in tables.items()})
@@ -403,6 +418,23 @@ class WorkerRuntime:
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
+        if site_id in self.sharded:
+            return self._on_heads(site, x)
+        return self._at_site(site, x)
+
+    def _on_heads(self, site: str, local: torch.Tensor) -> torch.Tensor | None:
+        """A per-head site under tensor parallelism, (T, this rank's heads, head_dim): when a
+        trace or a capture of this step looks at it (alike on every rank: the gather is a
+        collective), its heads are gathered whole; a replacement is cut back to this rank's."""
+        if site not in self.wanted and site not in self.captured_sites:
+            return None
+        assert self.order.heads is not None
+        heads = self.order.heads.of(parse_site(site).part)
+        new = self._at_site(site, full_heads(local, heads))
+        return None if new is None else own_heads(new, local.shape[1])
+
+    def _at_site(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
+        """Capture and the traced invokes' nodes at a site whose value `x` is whole."""
         self.interventions.record(site, x)
         out = None
         for slot in self.wanted.get(site, ()):

@@ -8,6 +8,7 @@ response. A bad field is a 400 that names the problem; nothing from the client i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
@@ -86,7 +87,7 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     if request.method != "POST" or request.url.path not in PATHS:
         return await call_next(request)
     try:
-        body = json.loads(await read_body(request, limits.current().body_bytes))
+        body = json.loads(await read_body(request, limits.current()))
     except LimitError as exc:
         return exc.response()
     except ValueError:
@@ -120,21 +121,31 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         body.setdefault("vllm_xargs", {})[EXTRA_ARGS_KEY] = payload_to_text(specs.to_wire())
         body.setdefault("cache_salt", uuid.uuid4().hex)  # computed in full (DESIGN.md lesson 1)
     request._body = json.dumps(body).encode()  # what vLLM's route reads
-    response = await call_next(request)
-    # a streamed answer has gone out before the check could change its status
-    checked = specs is not None and not body.get("stream") and _checks_applied(engine)
-    if response.status_code != 200 or (prepared.capture is None and not checked):
-        return response
-    data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+    taken = False
     try:
-        if checked:
-            await _raise_unapplied(engine, prepared)
-        if prepared.capture is not None:
-            data[FIELD] = {"captures": await _captures(engine, prepared, data)}
-    except InterventionError as exc:
-        error = {"message": f"{FIELD}: {exc}", "type": "InterventionError", "code": 500}
-        return JSONResponse({"error": error}, status_code=500)
-    return JSONResponse(data)
+        response = await call_next(request)
+        # a streamed answer has gone out before the check could change its status
+        checked = specs is not None and not body.get("stream") and _checks_applied(engine)
+        if response.status_code != 200 or (prepared.capture is None and not checked):
+            return response
+        data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+        if not isinstance(data, dict):  # vLLM's route ended early: its client left
+            return JSONResponse(data, status_code=response.status_code)
+        try:
+            if checked:
+                await _raise_unapplied(engine)
+            if prepared.capture is not None:
+                rows = await _take_captures(engine, prepared.capture_id)
+                taken = True
+                data[FIELD] = {"captures": _captures_json(prepared, rows, data)}
+        except InterventionError as exc:
+            error = {"message": f"{FIELD}: {exc}", "type": "InterventionError", "code": 500}
+            return JSONResponse({"error": error}, status_code=500)
+        return JSONResponse(data)
+    finally:
+        # the rows of a request that failed, or whose client left, are dropped, not kept
+        if prepared.capture is not None and not taken:
+            await asyncio.shield(_take_captures(engine, prepared.capture_id))
 
 
 def _checks_applied(engine: Any) -> bool:
@@ -143,19 +154,15 @@ def _checks_applied(engine: Any) -> bool:
     return bool((engine.vllm_config.additional_config or {}).get(CHECK_APPLIED_KEY))
 
 
-async def _raise_unapplied(engine: Any, prepared: Prepared) -> None:
-    """Raise what the workers' checks found (concurrent requests share the findings); a failed
-    request's captures are dropped, not left on the workers."""
+async def _raise_unapplied(engine: Any) -> None:
+    """Raise what the workers' checks found (concurrent requests share the findings)."""
     error = unapplied_error(await engine.collective_rpc("vinterp_unapplied"))
     if error is not None:
-        if prepared.capture is not None:
-            await _take_captures(engine, prepared.capture_id)
         raise error
 
 
-async def _captures(engine: Any, prepared: Prepared, data: dict[str, Any]) -> dict[str, Any]:
+def _captures_json(prepared: Prepared, rows: dict[str, Any], data: dict[str, Any]) -> dict:
     """The request's captured rows as JSON, checked complete against the answer's usage."""
-    rows = await _take_captures(engine, prepared.capture_id)
     usage = data.get("usage") or {}
     tensors, _ = captured_tensors(
         rows,

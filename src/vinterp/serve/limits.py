@@ -1,11 +1,13 @@
 """What one client may ask of a shared server, settable by `vinterp serve` flags: the body's
 size (checked from its Content-Length before anything is read, and while it streams in, so a
-1 GB body is refused at once and never held), and per trace its nodes, invokes and tokens,
-and how many traces one API key may run at once. The flags reach the server's processes
-through one environment variable, as JSON."""
+1 GB body is refused at once and never held) and the time it may take to arrive (a body
+trickled in is refused with a 408 rather than holding a connection open), and per trace its
+nodes, invokes and tokens, and how many traces one API key may run at once. The flags reach
+the server's processes through one environment variable, as JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -24,6 +26,7 @@ class ServeLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     body_bytes: PositiveInt = 256 << 20
+    body_seconds: PositiveInt = 60  # for the whole body to arrive
     nodes: PositiveInt = 100_000  # of one trace (the wire decoder's own cap is far higher)
     invokes: PositiveInt = 1024
     max_tokens: PositiveInt = 4096  # per invoke
@@ -48,7 +51,7 @@ def to_environment(limits: ServeLimits) -> None:
 class LimitError(ValueError):
     """A request over a limit; `status` is its HTTP status (413 or 429)."""
 
-    KINDS = {413: "RequestTooLargeError", 429: "TooManyRequestsError"}
+    KINDS = {408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "TooManyRequestsError"}
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -60,17 +63,27 @@ class LimitError(ValueError):
         return JSONResponse({"error": error}, status_code=self.status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as its declared or received size passes `limit`."""
+async def read_body(request: Request, limits: ServeLimits) -> bytes:
+    """The body, refused (413) as soon as its declared or received size passes the limit, and
+    (408) when it has not all arrived within the time limit."""
+    limit = limits.body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise LimitError(too_large(int(declared), limit), 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise LimitError(too_large(size, limit, more=True), 413)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(limits.body_seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise LimitError(too_large(size, limit, more=True), 413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise LimitError(
+            f"the body did not arrive within {limits.body_seconds} s ({size} bytes came); "
+            "send it at once (vinterp serve --max-body-seconds)",
+            408,
+        ) from None
     body = b"".join(chunks)
     request._body = body  # read once: later readers (vLLM's route) get it from here
     return body

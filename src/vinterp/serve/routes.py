@@ -1,5 +1,6 @@
 """vinterp's routes on vLLM's server (API.md section 6): `GET /v1/vinterp/sites`,
-`POST /v1/vinterp/trace`, `GET|PUT|DELETE /v1/vinterp/steering`, `GET /v1/vinterp/stats`.
+`POST /v1/vinterp/trace`, `GET|PUT|DELETE /v1/vinterp/steering`, `GET /v1/vinterp/stats`,
+`GET /v1/vinterp/held`.
 
 Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
 `vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
@@ -11,10 +12,13 @@ body over the limit a 413, a trace over its key's running traces a 429.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from argparse import Namespace
+from collections.abc import Awaitable
+from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse
@@ -34,6 +38,7 @@ from vinterp.wire.json_form import payload_from_json, saved_to_json
 from vinterp.wire.specs import Steering
 
 PLUGIN_NAME = "vinterp_routes"
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,7 +68,7 @@ def _config(request: Request) -> Any:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await read_body(request, limits.current().body_bytes)
+    body = await read_body(request, limits.current())
     try:
         return json.loads(body)
     except ValueError:
@@ -97,6 +102,14 @@ async def sites(request: Request) -> JSONResponse:
 async def stats(request: Request) -> JSONResponse:
     """The engine's step counts (`LLM.step_stats`)."""
     return JSONResponse((await _engine(request).collective_rpc("vinterp_step_stats"))[0])
+
+
+@router.get("/v1/vinterp/held")
+async def held(request: Request) -> JSONResponse:
+    """What the workers hold for requests, summed (`vinterp_held_state`): traces, requests
+    followed, captured rows not yet taken; all zero once nothing runs."""
+    per_worker = await _engine(request).collective_rpc("vinterp_held_state")
+    return JSONResponse({key: sum(w[key] for w in per_worker) for key in per_worker[0]})
 
 
 def decode_trace(
@@ -145,13 +158,16 @@ async def trace(request: Request) -> JSONResponse:
 
     try:
         async with request.app.state.vinterp_traces.enter(request, limit.traces_per_key):
-            outputs, per_worker = await run_trace(engine, wire, graph, plan)
+            ran = await _unless_client_leaves(request, run_trace(engine, wire, graph, plan))
     except LimitError as exc:
         return exc.response()
     except PlanError as exc:
         return _bad_request(str(exc), out_of_order=exc.out_of_order)
     except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
         return _bad_request(str(exc), type=InterventionError.__name__)
+    if ran is None:
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    outputs, per_worker = ran
     result = collected_result(outputs, per_worker)
     return JSONResponse(
         {
@@ -160,6 +176,30 @@ async def trace(request: Request) -> JSONResponse:
             "failure": None if result.failure is None else result.failure.__dict__,
         }
     )
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None once the client has disconnected: `work` is then cancelled,
+    which aborts its requests in the engine and frees the trace's state on the workers
+    (`run_trace` collects in its `finally`). The body has been read: every message left is
+    the disconnect."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _steering_state(request: Request) -> ServedSteering:

@@ -10,11 +10,11 @@ backend hooks' business, detected from the loaded modules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
-from vinterp.sites.names import Router, SiteOrder, UnknownSiteError
+from vinterp.sites.names import Heads, Router, SiteOrder, UnknownSiteError
 
 # The keys of a site map. embed/layers/final_norm/lm_head are paths from the causal LM's root;
 # attn/mlp_input/mlp_output are attribute names inside one layer (`mlp` in `sites=` sets both);
@@ -35,10 +35,13 @@ _LLAMA_PATHS = {
 
 @dataclass(frozen=True)
 class SiteMap:
-    """Module paths of the sites in one architecture; `vllm` lists where vLLM's tree differs."""
+    """Module paths of the sites in one architecture; `vllm` lists where vLLM's tree differs.
+    `heads`: its attention's per-head sites, "grouped" (`num_key_value_heads` kv heads),
+    "multi" (every head its own keys and values) or None (none)."""
 
     paths: dict[str, str]
     vllm: dict[str, str] = field(default_factory=dict)
+    heads: Literal["grouped", "multi"] | None = "grouped"
 
     def for_backend(self, backend: str) -> dict[str, str]:
         return {**self.paths, **self.vllm} if backend == "vllm" else dict(self.paths)
@@ -62,9 +65,11 @@ SITE_MAPS: dict[str, SiteMap] = {
             "attn": "attn",
             "mlp_input": "mlp",
             "mlp_output": "mlp",
-        }
+        },
+        heads="multi",
     ),
     # OPT's MLP is two linears directly in the layer: its input enters fc1, its output leaves fc2.
+    # transformers scales OPT's q before attention, vLLM inside it: no per-head sites.
     "opt": SiteMap(
         {
             "embed": "model.decoder.embed_tokens",
@@ -74,7 +79,8 @@ SITE_MAPS: dict[str, SiteMap] = {
             "attn": "self_attn",
             "mlp_input": "fc1",
             "mlp_output": "fc2",
-        }
+        },
+        heads=None,
     ),
     # Mixture-of-experts MLPs: HF's router module returns (logits, weights, expert ids),
     # vLLM's gate linear (logits, bias); vLLM keeps Mixtral's older name for the MoE block.
@@ -101,6 +107,7 @@ SITE_MAPS: dict[str, SiteMap] = {
             "mlp_input": "mlp",
             "mlp_output": "mlp",
         },
+        heads="multi",
     ),
 }
 SUPPORTED = tuple(SITE_MAPS)
@@ -124,9 +131,21 @@ def router_of(config: Any) -> Router | None:
     )
 
 
+def heads_of(config: Any) -> Heads | None:
+    """The attention heads of a model whose site map has per-head sites (None: no such
+    sites). Without `head_dim` in its config the heads split the hidden size."""
+    site_map = SITE_MAPS.get(getattr(config, "model_type", ""))
+    if site_map is None or site_map.heads is None:
+        return None
+    heads = int(config.num_attention_heads)
+    kv_heads = int(config.num_key_value_heads) if site_map.heads == "grouped" else heads
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return Heads(heads, kv_heads, int(head_dim))
+
+
 def site_order(config: Any) -> SiteOrder:
     """The sites of the model an HF config describes, in forward order."""
-    return SiteOrder(int(config.num_hidden_layers), router_of(config))
+    return SiteOrder(int(config.num_hidden_layers), router_of(config), heads_of(config))
 
 
 @dataclass

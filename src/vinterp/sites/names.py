@@ -13,6 +13,10 @@ from typing import Literal
 # The parts of a mixture-of-experts layer's router: its logits (T, experts) and the ids of
 # the experts it picks per token (T, top_k), between the MLP's input and its output.
 ROUTER_SITES = ("mlp.router.output", "mlp.router.experts")
+# Attention per head, between the attention's input and output: queries, keys and values as
+# attention uses them (after rotary embedding and any q/k norm; k and v with the kv heads),
+# and each head's output before the output projection; (T, heads, head_dim) each.
+HEAD_SITES = ("attn.q", "attn.k", "attn.v", "attn.heads")
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
 STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
 READ_ONLY = ("mlp.router.experts",)  # parts a trace reads but never writes
@@ -21,15 +25,17 @@ RAW_PREFIX = "raw."
 # name that parses is one SiteOrder knows (or out of range).
 _SITE_RE = re.compile(
     r"layers\.(?P<layer>0|[1-9][0-9]*|\*)\."
-    r"(?P<part>(?:(?:attn|mlp)\.)?(?:input|output)|mlp\.router\.(?:output|experts))"
+    r"(?P<part>(?:(?:attn|mlp)\.)?(?:input|output)|mlp\.router\.(?:output|experts)"
+    r"|attn\.(?:q|k|v|heads))"
     r"|(?P<module>embed|final_norm)\.output"
     r"|(?P<top>logits|samples)"
 )
 _RAW_RE = re.compile(r"raw\.(\w+(?:\.\w+)*)\.(input|output)")
 SITES_HELP = (
     "sites are embed.output, layers.{i}.input|output, layers.{i}.attn.input|output, "
-    "layers.{i}.mlp.input|output, final_norm.output, logits, samples; on mixture-of-experts "
-    "models also layers.{i}.mlp.router.output|experts"
+    "layers.{i}.mlp.input|output, final_norm.output, logits, samples; per attention head "
+    "layers.{i}.attn.q|k|v|heads; on mixture-of-experts models also "
+    "layers.{i}.mlp.router.output|experts"
 )
 
 
@@ -53,7 +59,7 @@ class SiteName:
 
     kind: Literal["layer", "model", "raw"]
     module: str
-    value: str  # "input" | "output" | "experts", or "logits" | "samples"
+    value: str  # "input", "output", "experts", "q", "k", "v", "heads"; "logits", "samples"
     layer: int | None = None  # None outside the layers and for `layers.*` in a pattern
 
     @property
@@ -100,6 +106,20 @@ def is_read_only(site: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Heads:
+    """A model's attention heads, for the per-head sites: query heads, key/value heads
+    (fewer under grouped-query attention) and the size of each."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def of(self, part: str) -> int:
+        """How many heads the part has: the kv heads for attn.k and attn.v."""
+        return self.kv_heads if part in ("attn.k", "attn.v") else self.heads
+
+
+@dataclass(frozen=True)
 class Router:
     """A mixture-of-experts model's routers: the layers that have one, how many experts each
     chooses among and how many it picks per token."""
@@ -109,12 +129,17 @@ class Router:
     top_k: int
 
 
-def all_sites(num_layers: int, router: Router | None = None) -> list[str]:
-    """Every standardized site in forward order (router sites at the layers that route)."""
+def all_sites(
+    num_layers: int, router: Router | None = None, heads: Heads | None = None
+) -> list[str]:
+    """Every standardized site in forward order (router sites at the layers that route,
+    per-head sites where the model has them)."""
     routed = frozenset(router.layers) if router else frozenset()
+    attn = (LAYER_SITES[1], *(HEAD_SITES if heads else ()), LAYER_SITES[2])
     sites = ["embed.output"]
     for i in range(num_layers):
-        parts = (*LAYER_SITES[:4], *ROUTER_SITES, *LAYER_SITES[4:]) if i in routed else LAYER_SITES
+        mlp = (LAYER_SITES[3], *(ROUTER_SITES if i in routed else ()), LAYER_SITES[4])
+        parts = (LAYER_SITES[0], *attn, *mlp, LAYER_SITES[5])
         sites.extend(f"layers.{i}.{s}" for s in parts)
     sites.extend(["final_norm.output", "logits", "samples"])
     return sites
@@ -126,10 +151,13 @@ RAW_POSITION = 1 << 30  # llm.raw sites: engine modules outside the standardized
 class SiteOrder:
     """Forward position of each site of a model with `num_layers` decoder blocks."""
 
-    def __init__(self, num_layers: int, router: Router | None = None) -> None:
+    def __init__(
+        self, num_layers: int, router: Router | None = None, heads: Heads | None = None
+    ) -> None:
         self.num_layers = num_layers
         self.router = router
-        self.sites = all_sites(num_layers, router)
+        self.heads = heads
+        self.sites = all_sites(num_layers, router, heads)
         self.position = {name: i for i, name in enumerate(self.sites)}
         self._expanded: dict[str, tuple[str, ...]] = {}  # valid globs only: a few per model
 
@@ -138,7 +166,7 @@ class SiteOrder:
             return self.position[site]
         if parse_site(site).kind == "raw":  # raises for a malformed name
             return RAW_POSITION
-        raise UnknownSiteError(describe_unknown(site, self.num_layers, self.router))
+        raise UnknownSiteError(describe_unknown(site, self))
 
     def expand(self, pattern: str) -> list[str]:
         """Sites matching a name or a glob over layer indices (`layers.*.output`), in order."""
@@ -148,30 +176,45 @@ class SiteOrder:
             regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
             found = tuple(s for s in self.sites if regex.match(s))
             if not found:
-                raise UnknownSiteError(describe_unknown(pattern, self.num_layers, self.router))
+                raise UnknownSiteError(describe_unknown(pattern, self))
             self._expanded[pattern] = found
         return list(self._expanded[pattern])
 
-    def row_width(self, site: str, hidden_size: int) -> int:
-        """The width of a (T, width) site's rows: the hidden size, or at a router the number
-        of experts (its logits) or of experts picked per token (their ids)."""
+    def ids_of(self, parts: tuple[str, ...]) -> frozenset[int]:
+        """The ids of every layer's sites among `parts` (e.g. HEAD_SITES)."""
+        parsed = map(parse_site, self.sites)
+        return frozenset(i for i, p in enumerate(parsed) if p.kind == "layer" and p.part in parts)
+
+    def row_shape(self, site: str, hidden_size: int) -> tuple[int, ...]:
+        """The shape of one token's row of a layer or embedding site: (hidden size,); at a
+        router (experts,) for its logits or (top_k,) for their ids; at a per-head site
+        (heads, head_dim), kv heads for k and v."""
         part = parse_site(site).part
         if self.router is not None and part in ROUTER_SITES:
-            return self.router.experts if part == "mlp.router.output" else self.router.top_k
-        return hidden_size
+            return (self.router.experts if part == "mlp.router.output" else self.router.top_k,)
+        if self.heads is not None and part in HEAD_SITES:
+            return (self.heads.of(part), self.heads.head_dim)
+        return (hidden_size,)
 
 
-def describe_unknown(site: str, num_layers: int, router: Router | None = None) -> str:
+def describe_unknown(site: str, order: SiteOrder) -> str:
     """An error message that says what is wrong with a site name and what would be right."""
     try:
         parsed = parse_site(site, pattern=True)
     except UnknownSiteError as exc:
         return str(exc)
-    if parsed.layer is not None and parsed.layer >= num_layers:
+    if parsed.layer is not None and parsed.layer >= order.num_layers:
         return (
             f"site {site!r}: layer index {parsed.layer} is out of range; "
-            f"this model has layers 0..{num_layers - 1}"
+            f"this model has layers 0..{order.num_layers - 1}"
         )
+    if parsed.kind == "layer" and parsed.part in HEAD_SITES:
+        return (
+            f"site {site!r}: this model has no per-head attention sites (attn.q|k|v|heads): "
+            "OPT's q is scaled before attention in transformers and inside it in vLLM, and "
+            "models without a site map of vinterp's have none (API.md section 2)"
+        )
+    router = order.router
     if parsed.kind == "layer" and parsed.part in ROUTER_SITES:
         if router is None:
             return (

@@ -134,7 +134,7 @@ class Capture(BaseModel):
                     f"sites: {short(site)} cannot be captured; use embed.output, "
                     "final_norm.output or "
                     "layers.{i|*}.input|output|attn.input|attn.output|mlp.input|mlp.output"
-                    "|mlp.router.output|mlp.router.experts"
+                    "|attn.q|attn.k|attn.v|attn.heads|mlp.router.output|mlp.router.experts"
                 )
         return value
 

@@ -1,0 +1,176 @@
+"""`vinterp serve` under faults (API.md section 6): a client that leaves a captured completion
+or a trace frees what the workers held for it and aborts its generation; a body trickled in
+past `--max-body-seconds` gets a 408; an engine core killed mid-step ends every in-flight
+request within seconds and the server exits. Each on a real server of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from openai import OpenAI
+from served import KEY, Served, served
+
+import vinterp
+
+pytestmark = pytest.mark.engine("serve_faults", releases=True)
+
+PROMPT = "The capital of France is"
+LONG = 1500  # tokens: far longer than any test waits (about 30 ms each here)
+BODY_SECONDS = 3
+
+
+@pytest.fixture(scope="module")
+def server(engines) -> Iterator[Served]:
+    engines.release()  # one engine at a time on this machine
+    with served("--max-body-seconds", str(BODY_SECONDS)) as running:
+        yield running
+
+
+def openai(server: Served, timeout: float = 60.0) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=timeout, max_retries=0)
+
+
+def complete(server: Served, timeout: float = 60.0, stream: bool = False, **extra: Any) -> Any:
+    oai = openai(server, timeout)
+    model = oai.models.list().data[0].id
+    body = {"ignore_eos": True, **extra}
+    return oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=LONG,
+        temperature=0.0,
+        stream=stream,
+        extra_body=body,
+    )
+
+
+def held(server: Served) -> dict[str, int]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.get(server.url + "/v1/vinterp/held", headers=headers, timeout=30).json()
+
+
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run `work` on a thread; the dict gets its result or error and when it ended."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = work()
+        except Exception as exc:  # what the client saw
+            outcome["error"] = exc
+        outcome["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def settled(server: Served) -> dict[str, int]:
+    """What the workers hold once a short request has run (a step tells the workers which
+    requests ended, so an aborted one is dropped by the next step)."""
+    openai(server).completions.create(
+        model=openai(server).models.list().data[0].id, prompt=PROMPT, max_tokens=2
+    )
+    return held(server)
+
+
+def test_a_client_leaving_a_captured_completion_frees_its_rows(server) -> None:
+    capture = {"capture": {"sites": ["layers.*.output"], "positions": "all"}}
+    thread, outcome = in_thread(lambda: complete(server, timeout=4.0, vinterp=capture))
+    assert wait_for(lambda: held(server)["captures"] == 1, 4.0)  # rows held while it runs
+    thread.join(30)
+    assert "error" in outcome  # the client gave up (its timeout) and closed the connection
+    assert wait_for(lambda: not any(settled(server).values()), 15.0), held(server)
+
+
+def test_a_client_leaving_a_trace_aborts_it_and_frees_its_state(server) -> None:
+    client = vinterp.Client(server.url, api_key=KEY, timeout=4.0)
+
+    def trace() -> None:
+        with client.trace(PROMPT, max_tokens=LONG, ignore_eos=True):
+            client.layers[5].output.save()
+
+    thread, outcome = in_thread(trace)
+    assert wait_for(lambda: held(server)["traces"] == 1, 4.0)
+    thread.join(30)
+    assert "error" in outcome
+    left = outcome["ended"]
+    # the trace's 1,500 tokens would take far longer: it was aborted, not run to its end
+    assert wait_for(lambda: not any(settled(server).values()), 15.0), held(server)
+    assert time.monotonic() - left < 20.0
+
+
+@pytest.mark.parametrize("path", ["/v1/vinterp/trace", "/v1/completions"])
+def test_a_body_trickled_in_gets_a_408_and_the_server_serves_on(server, path) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    with socket.create_connection((host, int(port)), timeout=BODY_SECONDS + 20) as sock:
+        started = time.monotonic()
+        sock.sendall(head.encode())  # and never the rest of the body
+        answer = b""
+        while b"max-body-seconds" not in answer and (part := sock.recv(4096)):
+            answer += part
+        answer = answer.decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 408"), answer[:300]
+    assert "--max-body-seconds" in answer
+    assert time.monotonic() - started < BODY_SECONDS + 10
+    assert not any(settled(server).values())
+
+
+def engine_core(server: Served) -> psutil.Process:
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+            return child
+    raise AssertionError("no engine core process under the server")
+
+
+def test_a_killed_engine_ends_every_request_and_the_server_exits(server) -> None:
+    """Last in the module: the server does not survive it."""
+    client = vinterp.Client(server.url, api_key=KEY, timeout=120.0)
+
+    def streamed() -> int:
+        return sum(1 for _ in complete(server, timeout=120.0, stream=True))
+
+    def traced() -> None:
+        with client.trace(PROMPT, max_tokens=LONG, ignore_eos=True):
+            client.layers[5].output.save()
+
+    capture = {"capture": {"sites": ["layers.3.output"], "positions": "last_prompt"}}
+    running = [
+        in_thread(lambda: complete(server, timeout=120.0)),
+        in_thread(lambda: complete(server, timeout=120.0, vinterp=capture)),
+        in_thread(streamed),
+        in_thread(traced),
+    ]
+    assert wait_for(lambda: held(server)["requests"] >= 4, 10.0)
+    os.kill(engine_core(server).pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for thread, _ in running:
+        thread.join(60)
+    for _, outcome in running:
+        assert "ended" in outcome and outcome["ended"] - killed < 30.0
+        # an error, or a stream cut short of its tokens
+        assert "error" in outcome or outcome["result"] < LONG, outcome
+    server.process.wait(timeout=90)  # it stops serving (vLLM 0.32 then exits with status 0)
+    assert "EngineDeadError" in server.output()
