@@ -55,6 +55,9 @@ def served(*flags: str, env: dict[str, str] | None = None) -> Iterator[Served]:
             time.sleep(2)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=120)
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # never leave a server (and its engine) behind
+            proc.kill()
+            proc.wait(timeout=60)
