@@ -6,9 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
+from vinterp.bench import serve_load
 from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
-from vinterp.bench.workloads import WORKLOADS
+from vinterp.bench.workloads import ON_REQUEST, SELECTABLE
 from vinterp.models.tiny import SHAPES
 from vinterp.serve.limits import ServeLimits
 
@@ -18,6 +19,12 @@ PEER_KEYS = tuple(peer.module for peer in PEERS)
 # `vinterp bench` sizes (prompts, tokens, invokes, repeats); --quick for CI-sized runs.
 FULL = {"prompts": 64, "max_tokens": 32, "invokes": 256, "repeats": 3}
 QUICK = {"prompts": 16, "max_tokens": 8, "invokes": 32, "repeats": 2}
+# serve_load: seconds of the mixed load, and of each server's plain + streaming comparison
+SERVE_FULL = {
+    "serve_seconds": serve_load.SECONDS,
+    "serve_compare_seconds": serve_load.COMPARE_SECONDS,
+}
+SERVE_QUICK = {"serve_seconds": 60, "serve_compare_seconds": 30}
 
 
 def _prepare(_: argparse.Namespace) -> None:
@@ -106,6 +113,11 @@ def _bench(args: argparse.Namespace) -> None:
         progress=progress,
         **engine_kwargs,
     )
+    details = {}
+    if serve_load.KEY in workloads:
+        serve_rows, details[serve_load.KEY] = _serve_load(args, str(model), engine_kwargs)
+        rows += serve_rows
+        progress(serve_load.KEY)
     peer_rows = []
     if peer_keys:
         sizes = suite.QUICK if args.quick else suite.Sizes()
@@ -114,13 +126,30 @@ def _bench(args: argparse.Namespace) -> None:
         peer_rows = suite.run(model, sizes, size["repeats"], peers, progress, logs)
     bar.close()
     command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    result = report.Report(harness.machine_info(dtype, model), command, rows, peer_rows)
+    result = report.Report(harness.machine_info(dtype, model), command, rows, peer_rows, details)
     print(report.markdown(result))
     if args.json:
         report.write_json(result, args.json)
         print(f"rows written to {args.json}")
     if args.out:
         print("written: " + ", ".join(str(p) for p in report.write(result, args.out)))
+
+
+def _serve_load(args: argparse.Namespace, model: str, engine_kwargs: dict) -> tuple[list, dict]:
+    """The serve_load workload: its servers get --serve-args plus the engine options the
+    other rows' engines get."""
+    import shlex
+
+    flags = shlex.split(args.serve_args)
+    for keyword, value in {**engine_kwargs, "dtype": args.dtype}.items():
+        if value is not None:
+            flags += [f"--{keyword.replace('_', '-')}", str(value)]
+    size = SERVE_QUICK if args.quick else SERVE_FULL
+    seconds, compare = (
+        v if getattr(args, k) is None else getattr(args, k) for k, v in size.items()
+    )
+    clients = args.serve_clients or serve_load.default_clients()
+    return serve_load.run(model, clients, seconds, compare, flags)
 
 
 def _bench_model(name: str | None, load_format: str | None) -> tuple[str | Path, str | None]:
@@ -233,10 +262,10 @@ def _workload_list(text: str) -> list[str]:
     if text.strip() == "none":  # peers only
         return []
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in WORKLOADS]
+    unknown = [k for k in keys if k not in SELECTABLE]
     if unknown or not keys:
         raise argparse.ArgumentTypeError(
-            f"unknown {unknown or 'empty list'}; choose from {', '.join(WORKLOADS)}"
+            f"unknown {unknown or 'empty list'}; choose from {', '.join(SELECTABLE)}"
         )
     return keys
 
@@ -297,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         "--workloads",
         type=_workload_list,
         default=None,
-        help=f"comma list of rows to run (default all, 'none' for none): {', '.join(WORKLOADS)}",
+        help="comma list of rows to run (default all but "
+        f"{', '.join(ON_REQUEST)}; 'none' for none): {', '.join(SELECTABLE)}",
     )
     bench.add_argument(
         "--peers",
@@ -332,6 +362,33 @@ def main(argv: list[str] | None = None) -> None:
         help="'apart' (default): one engine at a time; 'together': plain vLLM and the vinterp "
         "engines alive at once (GPU memory shared), every workload in each round, so slow "
         "drift of the machine reaches all alike",
+    )
+    bench.add_argument(
+        "--serve-clients",
+        type=_positive,
+        default=None,
+        help="serve_load: concurrent clients (default 16 on the CPU, 64 on a GPU)",
+    )
+    bench.add_argument(
+        "--serve-seconds",
+        type=_positive,
+        default=None,
+        help=f"serve_load: seconds of the mixed load (default {SERVE_FULL['serve_seconds']}, "
+        f"--quick {SERVE_QUICK['serve_seconds']})",
+    )
+    bench.add_argument(
+        "--serve-compare-seconds",
+        type=int,
+        default=None,
+        help="serve_load: seconds of plain and streaming completions on each server, vinterp's "
+        f"and plain vLLM's (default {SERVE_FULL['serve_compare_seconds']}, --quick "
+        f"{SERVE_QUICK['serve_compare_seconds']}; 0: no plain vLLM server)",
+    )
+    bench.add_argument(
+        "--serve-args",
+        default="",
+        metavar="FLAGS",
+        help="serve_load: flags for both servers, e.g. --serve-args='--enforce-eager'",
     )
     bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json/.md/.png")
     bench.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")

@@ -11,6 +11,7 @@ from vinterp.api.steering_control import SteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.backend import Backend
 from vinterp.engine.outputs import Output
+from vinterp.models.dtype import checkpoint_dtype
 from vinterp.sites.modules import check_site_paths
 from vinterp.wire.specs import Capture, Steering
 
@@ -172,9 +173,3 @@ class LLM(LocalModel):
         "watched": requests looked at for captures and traces, summed over steps (a capture
         is no longer looked at once its last position is computed)."""
         return self.backend.step_stats()
-
-
-def checkpoint_dtype(config: Any) -> str:
-    """The checkpoint's own dtype name: what both backends (and the bench) load by default."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    return str(dtype).removeprefix("torch.")

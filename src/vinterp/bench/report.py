@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vinterp.bench import load_results
 from vinterp.bench.harness import CONFIDENCE, Row
 from vinterp.bench.peers.row import PeerRow
 
@@ -24,6 +25,8 @@ class Report:
     command: str
     rows: list[Row] = field(default_factory=list)
     peers: list[PeerRow] = field(default_factory=list)
+    # JSON-ready results of workloads beyond their rows, by key (serve_load's summary)
+    details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -31,6 +34,7 @@ class Report:
             "command": self.command,
             "rows": [row.to_dict() for row in self.rows],
             "peers": [row.to_dict() for row in self.peers],
+            **({"details": self.details} if self.details else {}),
         }
 
 
@@ -75,6 +79,10 @@ EXTRAS: dict[str, str | None] = {
     "gb_collected": "{:.3g} GB collected",
     "hf_batch": None,
     "vinterp_throughput_x_hf": "vinterp's throughput {:.2f}x HF's",
+    "p99_s": "p99 {:.3g} s",
+    "vllm_p99_s": "vLLM's p99 {:.3g} s",
+    "req_per_s": "{:.3g} requests/s",
+    "vllm_req_per_s": "vLLM's {:.3g} requests/s",
 }
 
 
@@ -132,6 +140,8 @@ def markdown(report: Report) -> str:
             tool, check = _cell(row.tool), _cell(row.check)
             lines.append(f"| {tool} | {_cell(row.version)} {time_cells} {ratio} | {check} |")
         lines.append("")
+    if "serve_load" in report.details:
+        lines.append(load_results.markdown(report.details["serve_load"]))
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vinterp.bench import pipeline, trace_invokes
+from vinterp.bench import pipeline, serve_load, trace_invokes
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -44,6 +44,10 @@ EXTRACT_LAYERS_LAST = "extract_layers_last"
 EXTRACT_HF = "extract_hf_hooks"
 EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_HF)
 WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL, *EXTRACTION)
+# Rows run only when `--workloads` names them (the serve load test takes 15 minutes or more),
+# and every row `--workloads` selects from
+ON_REQUEST = (serve_load.KEY,)
+SELECTABLE = (*WORKLOADS, *ON_REQUEST)
 # Share of a GPU's memory for the engines the bench keeps alive at once (split equally)
 SHARED_GPU_MEMORY = 0.8
 
@@ -52,7 +56,7 @@ def resolve_dtype(model: str | Path, dtype: str | None = None) -> str:
     """`dtype`, or else the checkpoint's own: what `vinterp.LLM` picks when given none."""
     if dtype:
         return dtype
-    from vinterp.api.llm import checkpoint_dtype
+    from vinterp.models.dtype import checkpoint_dtype
 
     return checkpoint_dtype(checkpoint_config(model))
 

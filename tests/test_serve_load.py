@@ -1,0 +1,69 @@
+"""`vinterp bench --workloads serve_load` (BENCH.md): how answers are judged and memory growth
+measured, without a server; then a short load with every kind of request on a real
+`vinterp serve`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vinterp.bench import load_mix, serve_load
+from vinterp.bench.load_mix import LEAKED, LOST, OK, WRONG, Answer, judge
+from vinterp.bench.load_results import Outcome, Phase, summary
+from vinterp.models import bundled
+
+SITE = "layers.3.output"
+ROWS = torch.arange(12.0).reshape(3, 4) + 1
+
+
+def test_answers_are_told_right_leaked_wrong_or_lost() -> None:
+    want = Answer("Paris", {SITE: ROWS})
+    batched = Answer("Paris", {SITE: ROWS * (1 + 1e-7)})  # rounding of another batch
+    assert judge("capture_last", batched, want)[0] == OK
+    assert judge("capture_last", Answer("Rome", want.tensors), want)[0] == LEAKED  # unsteered
+    assert judge("capture_all", Answer("Rome", want.tensors), want)[0] == WRONG  # steered
+    assert judge("capture_all", Answer("Paris", {SITE: ROWS.flip(0)}), want)[0] == WRONG
+    assert judge("capture_all", Answer("Paris", {SITE: ROWS[:2]}), want)[0] == LOST
+    assert judge("capture_all", Answer("Paris", {}), want)[0] == LOST
+    assert judge("plain", Answer("Paris."), Answer("Paris"))[0] == LEAKED
+
+
+def _phase(rss_mib: list[float]) -> Phase:
+    """100 requests, one a second; the server's memory sampled each second."""
+    results = [Outcome("steered", float(t), 0.5, OK) for t in range(100)]
+    samples = [(float(t), t + 1, int(mib * 2**20), None) for t, mib in enumerate(rss_mib)]
+    return Phase(results, 100.0, samples)
+
+
+def test_memory_grows_from_the_end_of_warm_up_and_leaks_fail() -> None:
+    warming = [1000.0 + 50 * t for t in range(10)]  # the first 10% of requests: not counted
+    flat = summary(_phase(warming + [1500.0] * 90), {"captures": 0}, [], {}, 0)
+    assert flat["memory"]["rss_growth"] == 0.0 and flat["failures"] == []
+    assert flat["memory"]["intervened_after_warm_up"] == 91
+    leaking = summary(_phase(warming + [1500.0 + t for t in range(90)]), None, [], {}, 0)
+    assert leaking["memory"]["rss_growth"] > 0.05
+    assert any("RSS growth" in f for f in leaking["failures"])
+    held = summary(_phase(warming + [1500.0] * 90), {"captures": 3}, ["Traceback"], {}, 0)
+    assert len(held["failures"]) == 2  # rows left on the workers; a traceback in the log
+
+
+@pytest.mark.engine("serve_load", releases=True)
+def test_a_short_load_of_every_kind_is_answered_right(engines, monkeypatch) -> None:
+    """4 clients for 45 s against the eager server (its compilation would take minutes),
+    the workers' applied check on: every kind of the mix answered, none wrong."""
+    engines.release()  # one engine at a time on this machine
+    monkeypatch.setenv("VINTERP_CHECK_APPLIED", "1")  # the server's environment
+    rows, details = serve_load.run(
+        str(bundled()),
+        clients=4,
+        seconds=45,
+        compare_seconds=0,
+        flags=["--enforce-eager"],
+        prompts=2,
+    )
+    assert rows == []  # no plain vLLM server asked for
+    for kind in load_mix.KINDS:
+        assert details["kinds"][kind]["ok"] > 0, kind
+    assert details["disconnected"] > 0
+    assert details["memory"]["samples"] >= 40
+    assert details["failures"] == [], details["failures"]
