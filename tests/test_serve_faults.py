@@ -1,7 +1,7 @@
 """`vinterp serve` under faults (API.md section 6): a client that leaves a captured completion
 or a trace frees what the workers held for it and aborts its generation; a body trickled in
 past `--max-body-seconds` gets a 408; an engine core killed mid-step ends every in-flight
-request within seconds and the server exits. Each on a real server of its own."""
+request within seconds and the server exits non-zero. Each on a real server of its own."""
 
 from __future__ import annotations
 
@@ -173,5 +173,5 @@ def test_a_killed_engine_ends_every_request_and_the_server_exits(server) -> None
         assert "ended" in outcome and outcome["ended"] - killed < 30.0
         # an error, or a stream cut short of its tokens
         assert "error" in outcome or outcome["result"] < LONG, outcome
-    psutil.Process(server.pid).wait(timeout=90)  # it stops (vLLM 0.32 exits with status 0)
-    assert "EngineDeadError" in server.log_tail(100_000)
+    assert psutil.Process(server.pid).wait(timeout=90) != 0
+    assert "the engine died while serving" in server.log_tail()

@@ -67,12 +67,20 @@ def running(
             _wait_healthy(proc, server)
             yield server
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            up = proc.poll() is None
+            status = _stop(proc)
+        if up and status != 0:  # asked to stop, a server exits cleanly
+            message = f"the server exited with {status} when stopped:\n{server.log_tail()}"
+            raise RuntimeError(message)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # never leave a server (and its engine) behind
+        proc.kill()
+        return proc.wait()
 
 
 def _wait_healthy(proc: subprocess.Popen, server: Server) -> None:

@@ -91,3 +91,7 @@ def serve(
     run_vllm_serve(
         vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph), "vinterp serve"
     )
+    from vinterp.serve.routes import ENGINE_DIED
+
+    if ENGINE_DIED.is_set():
+        raise SystemExit("vinterp serve: the engine died while serving (its error is above)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from argparse import Namespace
 from collections.abc import Awaitable
 from contextlib import suppress
@@ -265,6 +266,19 @@ async def delete_steering(request: Request, name: str | None = None) -> JSONResp
     return await get_steering(request)
 
 
+# Set when the served engine stops without the server asking it to (its core or a worker
+# died): `vinterp serve` then exits non-zero, where vLLM 0.32's server exits with status 0.
+ENGINE_DIED = threading.Event()
+WATCH_SECONDS = 0.5
+
+
+async def _watch_engine(engine: Any, asked: threading.Event) -> None:
+    while not engine.errored:
+        await asyncio.sleep(WATCH_SECONDS)
+    if not asked.is_set():
+        ENGINE_DIED.set()
+
+
 class VinterpRoutes:
     """The `vllm.endpoint_plugins` entry point."""
 
@@ -277,3 +291,14 @@ class VinterpRoutes:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.vinterp_steering = ServedSteering()
         state.vinterp_traces = TraceGate()
+        if engine_client is None:
+            return
+        asked = threading.Event()  # the server's own shutdown stops the engine first
+        stop = engine_client.shutdown
+
+        def shutdown(*args: Any, **kwargs: Any) -> Any:
+            asked.set()
+            return stop(*args, **kwargs)
+
+        engine_client.shutdown = shutdown
+        state.vinterp_engine_watch = asyncio.create_task(_watch_engine(engine_client, asked))
