@@ -266,17 +266,28 @@ async def delete_steering(request: Request, name: str | None = None) -> JSONResp
     return await get_steering(request)
 
 
-# Set when the served engine stops without the server asking it to (its core or a worker
-# died): `vinterp serve` then exits non-zero, where vLLM 0.32's server exits with status 0.
+# Set when the served engine was already dead when the server first stopped it (its core or
+# a worker died): `vinterp serve` then exits non-zero, where vLLM 0.32's server exits with 0.
 ENGINE_DIED = threading.Event()
-WATCH_SECONDS = 0.5
 
 
-async def _watch_engine(engine: Any, asked: threading.Event) -> None:
-    while not engine.errored:
-        await asyncio.sleep(WATCH_SECONDS)
-    if not asked.is_set():
-        ENGINE_DIED.set()
+def _note_engine_death(engine: Any) -> None:
+    """Wrap `engine.shutdown`, which the server calls on every way out, to judge the first call.
+
+    The server's own shutdown (a signal) stops a running engine; after a death the engine is
+    already errored when the server gets to stop it, however soon after the death it exits.
+    """
+    stop = engine.shutdown
+    judged = threading.Event()
+
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        if not judged.is_set():
+            judged.set()
+            if engine.errored:
+                ENGINE_DIED.set()
+        return stop(*args, **kwargs)
+
+    engine.shutdown = shutdown
 
 
 class VinterpRoutes:
@@ -293,12 +304,4 @@ class VinterpRoutes:
         state.vinterp_traces = TraceGate()
         if engine_client is None:
             return
-        asked = threading.Event()  # the server's own shutdown stops the engine first
-        stop = engine_client.shutdown
-
-        def shutdown(*args: Any, **kwargs: Any) -> Any:
-            asked.set()
-            return stop(*args, **kwargs)
-
-        engine_client.shutdown = shutdown
-        state.vinterp_engine_watch = asyncio.create_task(_watch_engine(engine_client, asked))
+        _note_engine_death(engine_client)
