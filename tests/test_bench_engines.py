@@ -74,13 +74,15 @@ def test_engines_alive_together_time_vinterp_against_plain_vllm(engines, tiny_ll
         2,
         2,
         "float32",
-        {"idle", "steer", engine_workloads.trace_invokes.KEY},
+        {"idle", "steer", "capture_pattern", "capture_router", engine_workloads.trace_invokes.KEY},
         2,
         (False,),
         True,
         enforce_eager=True,
     )
-    assert [r.key for r in rows] == ["idle", "steer", engine_workloads.trace_invokes.KEY]
+    # a dense model has no router row
+    keys = ["idle", "steer", "capture_pattern", engine_workloads.trace_invokes.KEY]
+    assert [r.key for r in rows] == keys
     assert rows[0].baseline is rows[1].baseline and len(rows[0].baseline.times) == 2
     assert rows[0].name == "vinterp engine, no intervention (2x2)" and rows[0].tokens == 4
     assert rows[1].target == target("steer") < REFERENCE

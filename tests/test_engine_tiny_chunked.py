@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eager_attention import eager_attentions
 
 import vinterp
 
@@ -35,6 +36,28 @@ def test_capture_and_steering_across_chunks_equal_hf(chunked, engines, tiny_llam
         for site, value in w.captures.items():
             assert g.captures[site].shape == value.shape
             assert float((g.captures[site] - value).norm() / value.norm()) < 1e-4
+
+
+def test_attention_pattern_captures_across_chunks_equal_transformers(
+    chunked, engines, tiny_llama
+) -> None:
+    """The last prompt token's row of chosen heads, over prompts split across steps (keys
+    kept from every chunk) and short ones in the same steps, equal to transformers' eager
+    attention; the HF backend's captures too."""
+    heads = [3, 0]
+    cap = vinterp.Capture(["layers.0.attn.pattern", "layers.2.attn.pattern"], heads=heads)
+    prompts = [LONG, SHORT, LONG[:100]]
+    got = chunked.generate(prompts, max_tokens=2, capture=cap)
+    hf = engines.hf(tiny_llama).generate(prompts, max_tokens=2, capture=cap)
+    for out, hf_out in zip(got, hf):
+        ids = list(out.prompt_token_ids)
+        want = eager_attentions(tiny_llama, ids)
+        for layer in (0, 2):
+            site = f"layers.{layer}.attn.pattern"
+            row = want[layer][heads, -1][None]
+            assert out.captures[site].shape == row.shape == (1, 2, len(ids))
+            assert float((out.captures[site] - row).norm() / row.norm()) < 1e-4
+            assert torch.allclose(hf_out.captures[site], row, atol=1e-5)
 
 
 def test_trace_on_a_split_prompt_fails_clearly(chunked) -> None:

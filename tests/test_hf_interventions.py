@@ -98,3 +98,26 @@ def test_global_and_named_steering_reach_generate_and_traces(llm, direction) -> 
         llm.steering.clear()
         llm.steering.unregister("push")
     assert llm.generate(PROMPT, max_tokens=STEPS, use_tqdm=False)[0].token_ids != by_hand
+
+
+def test_pattern_capture_is_the_traced_rows_of_its_heads(llm) -> None:
+    """An attention pattern captured at the last prompt token for chosen heads is that row of
+    the pattern a trace reads; specs that cannot be met say why."""
+    cap = vinterp.Capture("layers.1.attn.pattern", heads=[2, 0])
+    assert vinterp.Capture.from_json(cap.to_json()) == cap
+    out = llm.generate(PROMPT, max_tokens=2, capture=cap)[0]
+    with llm.trace(PROMPT, max_tokens=1, use_tqdm=False):
+        last = llm.layers[1].attn.pattern[:, -1].save()
+    captured = out.captures["layers.1.attn.pattern"]
+    assert captured.shape == (1, 2, len(out.prompt_token_ids))
+    assert torch.allclose(captured, last[[2, 0]][None], atol=1e-6)
+    with pytest.raises(ValueError, match="positions='last_prompt' only"):
+        vinterp.Capture("layers.*.attn.pattern", positions="all")
+    with pytest.raises(ValueError, match="heads: picks the heads of attn.pattern sites"):
+        vinterp.Capture("layers.1.output", heads=[0])
+    with pytest.raises(ValueError, match="distinct head indices"):
+        vinterp.Capture("layers.1.attn.pattern", heads=[1, 1])
+    heads = llm.config.num_attention_heads
+    too_far = vinterp.Capture("layers.1.attn.pattern", heads=[heads])
+    with pytest.raises(ValueError, match=f"this model has {heads} heads"):
+        llm.generate(PROMPT, max_tokens=1, capture=too_far)

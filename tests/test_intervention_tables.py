@@ -18,6 +18,7 @@ from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, 
 from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
 from vinterp.sites.names import (
     HEAD_SITES,
+    PATTERN,
     ROUTER_SITES,
     Heads,
     Router,
@@ -169,8 +170,9 @@ def test_capture_buffer_sites_follow_the_setting() -> None:
     patterns: those sites; a wrong type or name: an error that says what to give."""
     assert buffer_site_ids(buffer_setting(True), ORDER) == set(range(len(ORDER.sites)))
     moe = SiteOrder(2, Router((1,), experts=4, top_k=2), Heads(4, 2, 64))
-    own_width = {s for s in moe.sites if s.split(".", 2)[-1] in (*HEAD_SITES, *ROUTER_SITES)}
-    assert len(own_width) == 2 * 4 + 2
+    parts = (*HEAD_SITES, PATTERN, *ROUTER_SITES)
+    own_width = {s for s in moe.sites if s.split(".", 2)[-1] in parts}
+    assert len(own_width) == 2 * 5 + 2
     chosen = buffer_site_ids(buffer_setting(True), moe)
     assert {moe.sites[k] for k in chosen} == set(moe.sites) - own_width
     named = buffer_site_ids(buffer_setting(["layers.*.attn.k", "layers.1.mlp.router.output"]), moe)
@@ -189,6 +191,8 @@ def test_capture_buffer_sites_follow_the_setting() -> None:
             buffer_setting(wrong)
     with pytest.raises(UnknownSiteError, match="layers.7"):
         buffer_site_ids(["layers.7.output"], ORDER)
+    with pytest.raises(UnknownSiteError, match="layers.0.attn.pattern cannot have a capture"):
+        buffer_site_ids(["layers.*.attn.pattern"], moe)
 
 
 @given(

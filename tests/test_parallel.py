@@ -138,6 +138,15 @@ def cross_stage(llm) -> dict:
             llm.layers[2].attn.q[:, 3] = llm.layers[2].attn.q[:, 3] * 3
         out["head-written logits"] = llm.logits.save()  # step 0
     out["head-written tokens"] = tr.outputs[0].token_ids
+    with llm.trace(PROMPTS[2], max_tokens=3) as tr:  # attention patterns on each stage
+        out["pattern 0"] = llm.layers[0].attn.pattern.save()
+        weight = llm.layers[0].attn.pattern[2, -1, 0]  # a first-stage row used on the last
+        llm.layers[3].output = llm.layers[3].output * (1 + 4 * weight)
+        rows = []
+        for _ in tr.iter[2]:  # over keys kept from steps 0 and 1
+            rows.append(llm.layers[3].attn.pattern[:, -1].save())
+        out["pattern-scaled logits"] = llm.logits.save()
+    out["pattern 3 row"] = rows[0][0]
     with llm.trace(PROMPTS[1], max_tokens=4) as tr:  # parameters of both stages
         out["q_proj"] = llm.layers[0].self_attn.q_proj.weight.save()
         direction = llm.lm_head.weight[UPPER_TOKEN]
@@ -238,6 +247,8 @@ def test_pipeline_values_cross_stages(engines, tiny_llama, single_worker_probe) 
     want = single_worker_probe[2]
     llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
     got = cross_stage(llm)
+    held = llm.engine.collective_rpc("vinterp_held_state")
+    assert [stage["kept_keys"] for stage in held] == [0, 0]  # the patterns' keys are freed
     assert_results_equal(got, want)
     plain = [o.token_ids[:4] for o in llm.generate(PROMPTS, **SAMPLING)]
     assert got["patched tokens"] != plain[0] and got["steered tokens"] != plain[1]

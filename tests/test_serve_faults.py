@@ -1,7 +1,8 @@
 """`vinterp serve` under faults (API.md section 6): a client that leaves a captured completion
 or a trace frees what the workers held for it and aborts its generation; a body trickled in
 past `--max-body-seconds` gets a 408; an engine core killed mid-step ends every in-flight
-request within seconds and the server exits non-zero. Each on a real server of its own."""
+request within seconds and the server exits non-zero, and so does one of two tensor-parallel
+workers killed. Each on a real server of its own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,14 +42,16 @@ def openai(server: Server, timeout: float = 60.0) -> OpenAI:
     return OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=timeout, max_retries=0)
 
 
-def complete(server: Server, timeout: float = 60.0, stream: bool = False, **extra: Any) -> Any:
+def complete(
+    server: Server, timeout: float = 60.0, stream: bool = False, tokens: int = LONG, **extra: Any
+) -> Any:
     oai = openai(server, timeout)
     model = oai.models.list().data[0].id
     body = {"ignore_eos": True, **extra}
     return oai.completions.create(
         model=model,
         prompt=PROMPT,
-        max_tokens=LONG,
+        max_tokens=tokens,
         temperature=0.0,
         stream=stream,
         extra_body=body,
@@ -139,39 +143,66 @@ def test_a_body_trickled_in_gets_a_408_and_the_server_serves_on(server, path) ->
     assert not any(settled(server).values())
 
 
-def engine_core(server: Server) -> psutil.Process:
+def process_of(server: Server, marker: str) -> psutil.Process:
+    """The server's child process whose name or command line holds `marker`."""
     for child in psutil.Process(server.pid).children(recursive=True):
-        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+        if marker in child.name() or marker in " ".join(child.cmdline()):
             return child
-    raise AssertionError("no engine core process under the server")
+    raise AssertionError(f"no {marker} process under the server")
 
 
-def test_a_killed_engine_ends_every_request_and_the_server_exits(server) -> None:
-    """Last in the module: the server does not survive it."""
+@pytest.fixture(scope="module")
+def tp_server(engines, tiny_llama) -> Iterator[Server]:
+    """Two tensor-parallel workers (the tiny llama: the bundled model's 9 heads do not split)."""
+    engines.release()
+    with served("--tensor-parallel-size", "2", model=tiny_llama) as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class Victim:
+    server: str  # the fixture
+    process: str  # a marker of the process killed
+    tokens: int  # per request: more than the test waits, within the model's context
+    layer: int  # traced
+
+
+VICTIMS = {
+    "engine core": Victim("server", "EngineCore", LONG, 5),
+    "TP worker": Victim("tp_server", "Worker_TP1", 480, 1),
+}
+
+
+@pytest.mark.parametrize("victim", VICTIMS.values(), ids=VICTIMS.keys())
+def test_a_killed_engine_ends_every_request_and_the_server_exits(victim, request) -> None:
+    """Last in the module: the server does not survive it. The engine core, or under tensor
+    parallelism one worker, killed mid-step."""
+    server = request.getfixturevalue(victim.server)
     client = vinterp.Client(server.url, api_key=KEY, timeout=120.0)
+    tokens = victim.tokens
 
     def streamed() -> int:
-        return sum(1 for _ in complete(server, timeout=120.0, stream=True))
+        return sum(1 for _ in complete(server, timeout=120.0, stream=True, tokens=tokens))
 
     def traced() -> None:
-        with client.trace(PROMPT, max_tokens=LONG, ignore_eos=True):
-            client.layers[5].output.save()
+        with client.trace(PROMPT, max_tokens=tokens, ignore_eos=True):
+            client.layers[victim.layer].output.save()
 
     capture = {"capture": {"sites": ["layers.3.output"], "positions": "last_prompt"}}
     running = [
-        in_thread(lambda: complete(server, timeout=120.0)),
-        in_thread(lambda: complete(server, timeout=120.0, vinterp=capture)),
+        in_thread(lambda: complete(server, timeout=120.0, tokens=tokens)),
+        in_thread(lambda: complete(server, timeout=120.0, tokens=tokens, vinterp=capture)),
         in_thread(streamed),
         in_thread(traced),
     ]
     assert wait_for(lambda: held(server)["requests"] >= 4, 10.0)
-    os.kill(engine_core(server).pid, signal.SIGKILL)
+    os.kill(process_of(server, victim.process).pid, signal.SIGKILL)
     killed = time.monotonic()
     for thread, _ in running:
         thread.join(60)
     for _, outcome in running:
         assert "ended" in outcome and outcome["ended"] - killed < 30.0
         # an error, or a stream cut short of its tokens
-        assert "error" in outcome or outcome["result"] < LONG, outcome
+        assert "error" in outcome or outcome["result"] < tokens, outcome
     assert psutil.Process(server.pid).wait(timeout=90) != 0
     assert "the engine died while serving" in server.log_tail()

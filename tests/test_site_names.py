@@ -196,6 +196,7 @@ def test_head_sites_sit_between_the_attention_input_and_output() -> None:
         "layers.1.attn.q",
         "layers.1.attn.k",
         "layers.1.attn.v",
+        "layers.1.attn.pattern",
         "layers.1.attn.heads",
         "layers.1.attn.output",
         "layers.1.mlp.input",
@@ -216,6 +217,7 @@ def test_head_sites_sit_between_the_attention_input_and_output() -> None:
         f"layers.{i}.{part}" for i in range(3) for part in HEAD_SITES
     )
     assert not any(is_read_only(f"layers.0.{part}") for part in HEAD_SITES)
+    assert is_read_only("layers.0.attn.pattern") and is_read_only("layers.*.attn.pattern")
 
 
 @pytest.mark.parametrize("name", ["layers.1.attn.q", "layers.*.attn.heads"])

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import vllm.envs
+from eager_attention import eager_attentions
 from vllm.config import CompilationMode
 
 import vinterp
@@ -288,3 +289,51 @@ def test_gpt_neox_sites_on_hf(engines) -> None:
     assert rel_err(got["layers.1.output"], parallel_sum) < 1e-5
     baseline = hf.generate(PROMPT, max_tokens=6, ignore_eos=True)[0].token_ids
     assert write_middle(hf) != baseline
+
+
+# Sliding windows shorter than the prompt; Gemma 2 also soft-caps its attention logits, which
+# vLLM's CPU kernel caps otherwise than transformers: there only layer 0 (whose q and k follow
+# from the tokens alone) is compared.
+PATTERN_MODELS = {
+    "llama": {},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": {"sliding_window": 8, "attn_logit_softcapping": 30.0},
+    "gemma3_text": {"sliding_window": 8},
+}
+LONG_PROMPT = "one two three four five six seven eight nine ten eleven twelve thirteen"
+
+
+@pytest.mark.engine("architectures")
+@pytest.mark.parametrize("arch", PATTERN_MODELS)
+def test_attention_pattern_equals_transformers_eager_attention(engines, arch) -> None:
+    """The prompt's whole pattern, each decode step's row over every earlier key (kept from
+    earlier steps), and rows picked by head or query, equal to transformers' eager attention
+    over the prompt and the generated tokens."""
+    path = vinterp.models.tiny(arch, **PATTERN_MODELS[arch])
+    llm = engines.vllm(path, **TRACED_NOT_INDUCTOR)
+    layers = [0] if "attn_logit_softcapping" in PATTERN_MODELS[arch] else [0, len(llm.layers) - 1]
+    saved: dict[str, Any] = {}
+    with llm.trace(LONG_PROMPT, max_tokens=3, ignore_eos=True) as tr:
+        for i in layers:
+            saved[f"{i}.prompt"] = llm.layers[i].attn.pattern.save()
+            saved[f"{i}.head"] = llm.layers[i].attn.pattern[1].save()
+            saved[f"{i}.last"] = llm.layers[i].attn.pattern[:, -1].save()
+        for _ in tr.iter[1:3]:
+            for i in layers:
+                saved[f"{i}.decode"] = llm.layers[i].attn.pattern.save()
+    prompt = list(tr.outputs[0].prompt_token_ids)
+    tokens, n = tr.outputs[0].token_ids, len(prompt)
+    want = eager_attentions(path, prompt + tokens[:2])
+    for i in layers:
+        full = want[i][:, :n, :n]
+        assert saved[f"{i}.prompt"].shape == full.shape
+        assert rel_err(saved[f"{i}.prompt"], full) < 1e-4
+        assert rel_err(saved[f"{i}.head"], full[1]) < 1e-4
+        assert rel_err(saved[f"{i}.last"], full[:, -1]) < 1e-4
+        for k, row in enumerate(saved[f"{i}.decode"], start=1):
+            assert row.shape == (full.shape[0], 1, n + k)
+            assert rel_err(row, want[i][:, n + k - 1 : n + k, : n + k]) < 1e-4
+    if "sliding_window" in PATTERN_MODELS[arch]:  # the window shows: keys left out
+        assert n > 8 and bool((saved["0.prompt"][:, -1, : n - 8] == 0).all())

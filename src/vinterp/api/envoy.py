@@ -125,9 +125,10 @@ class RouterPoint(SitePoint):
 class AttnPoint(SitePoint):
     """`llm.layers[i].attn`: besides `.input` and `.output`, per head `.q`, `.k`, `.v` (as
     attention uses them, after rotary embedding) and `.heads` (each head's output, before the
-    output projection), (T, heads, head_dim)."""
+    output projection), (T, heads, head_dim); `.pattern`, the attention probabilities
+    (heads, T_q, T_k), read-only."""
 
-    _parts = ("q", "k", "v", "heads")
+    _parts = ("q", "k", "v", "pattern", "heads")
 
 
 class MlpPoint(SitePoint):

@@ -38,7 +38,7 @@ from vinterp.engine.limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import HEAD_SITES, ROUTER_SITES, UnknownSiteError, parse_site
+from vinterp.sites.names import HEAD_SITES, PATTERN, ROUTER_SITES, UnknownSiteError, parse_site
 from vinterp.store import (
     COLUMN_DTYPE,
     STORED_DTYPES,
@@ -317,7 +317,7 @@ def expand_sites(llm: Any, sites: str | list[str]) -> list[str]:
         raise ValueError(f"sites: {exc}") from None
     for site in expanded:  # the dataset's columns are rows of the hidden size
         part = parse_site(site).part
-        if part in ROUTER_SITES or part in HEAD_SITES:
+        if part in ROUTER_SITES or part in (*HEAD_SITES, PATTERN):
             kind = "a router" if part in ROUTER_SITES else "an attention head"
             raise ValueError(
                 f"sites: {site} is {kind} site, which extract does not store; capture it "

@@ -23,7 +23,15 @@ from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import UnknownSiteError
 from vinterp.store.files import write_atomic
-from vinterp.wire.specs import Capture, RequestSpecs, Steering, selected_count, steering_misfit
+from vinterp.wire.specs import (
+    Capture,
+    RequestSpecs,
+    Steering,
+    capture_sites,
+    is_pattern,
+    selected_count,
+    steering_misfit,
+)
 
 log = logging.getLogger("vinterp.capture")
 
@@ -123,7 +131,7 @@ def prepare(
         cap = request.capture if request.capture is not None else capture
         if cap is not None:
             try:
-                req.capture_sites = [s for pattern in cap.sites for s in order.expand(pattern)]
+                req.capture_sites = capture_sites(cap, order)
             except UnknownSiteError as exc:
                 raise ValueError(f"capture.sites: {exc}") from None
             req.capture, req.capture_id = cap, uuid.uuid4().hex
@@ -157,7 +165,9 @@ def captured_tensors(
                 f"selected positions came back from the engine, for a prompt of {prompt_len} "
                 f"tokens and {generated} generated; the intervention was not applied"
             )
-        tensors[site] = data["values"][:kept]
+        values = data["values"][:kept]
+        # an attention pattern's row is over the prompt (the workers pad rows to the widest)
+        tensors[site] = values[..., :prompt_len] if is_pattern(site) else values
         positions[site] = data["positions"][:kept]
     return tensors, positions
 

@@ -26,7 +26,7 @@ from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.executor import TraceResult
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import UnknownSiteError, parse_site
+from vinterp.sites.names import PATTERN, UnknownSiteError, parse_site
 from vinterp.sites.params import param_shape, parse_param
 from vinterp.sites.raw import is_raw
 
@@ -181,8 +181,12 @@ class Trace:
             return torch.empty(1, config.vocab_size, device="meta")
         if site == "samples":
             return torch.empty(1, dtype=torch.long, device="meta")
+        parsed = parse_site(site)
+        if parsed.part == PATTERN and self._sites.heads is not None:  # (heads, T_q, T_k)
+            keys = len(self.graph.invokes[invoke].prompt) + (block.start if block else 0)
+            return torch.empty(self._sites.heads.heads, tokens, keys, device="meta")
         row = self._sites.row_shape(site, config.hidden_size)
-        ids = parse_site(site).value == "experts"  # a router's expert ids
+        ids = parsed.value == "experts"  # a router's expert ids
         return torch.empty(tokens, *row, dtype=torch.long if ids else None, device="meta")
 
     def record_read(self, site: str) -> Value:

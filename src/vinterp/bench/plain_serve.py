@@ -10,10 +10,8 @@ import sys
 
 
 def main(argv: list[str]) -> None:
-    from vinterp.engine.platform_settings import configure_engine_environment
     from vinterp.engine.vllm_serve import run_vllm_serve, with_checkpoint_dtype
 
-    configure_engine_environment(1)
     model, flags = argv[0], argv[1:]
     engine = ["--seed", "0", "--no-enable-prefix-caching"]
     run_vllm_serve([model, *engine, *with_checkpoint_dtype(model, flags)], "vllm serve")

@@ -34,7 +34,17 @@ TENSOR_PARALLEL = {
     "tp_capture_layers_last": "capture_layers_last",
 }
 # The generate rows on a vinterp engine (`vinterp_workloads`), by key
-VINTERP_KEYS = ("idle", "steer", "capture_one", "capture_layers_last", "capture_layers_all")
+VINTERP_KEYS = (
+    "idle",
+    "steer",
+    "capture_one",
+    "capture_layers_last",
+    "capture_layers_all",
+    "capture_qk",
+    "capture_pattern",
+    "capture_router",
+)
+PATTERN_HEADS = [0, 1, 2, 3]  # the capture_pattern row's heads
 # Rows of one-worker engines, and all row keys `vinterp bench --workloads` selects from
 ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
 # Extraction rows (timed by bench/extraction.py, on engines of their own): layers at every
@@ -200,11 +210,34 @@ def plain_engine(
 
 
 def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """(key, name, generate kwargs) of the steering and capture rows."""
+    """(key, name, generate kwargs) of the steering and capture rows; the per-head rows on
+    models with per-head sites, the router row on mixture-of-experts models."""
     import vinterp
+    from vinterp.sites.modules import heads_of, router_of
 
     vector = torch.randn(int(llm.config.hidden_size), generator=torch.Generator().manual_seed(0))
-    site = f"layers.{len(llm.layers) // 3}.output"
+    layer = len(llm.layers) // 3
+    site = f"layers.{layer}.output"
+    attention = f"layers.{layer}.attn"
+    per_head = [
+        (
+            "capture_qk",
+            f"capture {attention}.q and .k all positions",
+            {"capture": vinterp.Capture([f"{attention}.q", f"{attention}.k"], positions="all")},
+        ),
+        (
+            "capture_pattern",
+            f"capture {attention}.pattern of heads 0-3 last_prompt",
+            {"capture": vinterp.Capture(f"{attention}.pattern", heads=PATTERN_HEADS)},
+        ),
+    ]
+    router = [
+        (
+            "capture_router",
+            "capture layers.*.mlp.router.output all positions",
+            {"capture": vinterp.Capture("layers.*.mlp.router.output", positions="all")},
+        )
+    ]
     return [
         ("idle", "vinterp engine, no intervention", {}),
         ("steer", f"steering {site}", {"steering": vinterp.Steering({site: vector}, scale=4.0)}),
@@ -219,6 +252,8 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
             "capture layers.*.output all positions",
             {"capture": vinterp.Capture("layers.*.output", positions="all")},
         ),
+        *(per_head if heads_of(llm.config) is not None else []),
+        *(router if router_of(llm.config) is not None else []),
     ]
 
 

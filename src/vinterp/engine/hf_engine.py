@@ -15,6 +15,7 @@ from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
+from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.hf_attention import install_head_sites
 from vinterp.sites.hf_hooks import install_hf_hooks
 from vinterp.sites.modules import find_site_modules, site_order, unhooked
@@ -58,9 +59,13 @@ class HFEngine:
     def native(self) -> Any:
         return self.model
 
-    def _at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
+    def _at_site(self, site: str, value: Any) -> torch.Tensor | None:
         """As in vLLM's workers: steering, capture, then the trace (which sees both)."""
-        steered = self.interventions.at_site(site, value)
+        if isinstance(value, Pattern):
+            self.interventions.at_pattern(site, value)
+            steered = None
+        else:
+            steered = self.interventions.at_site(site, value)
         if self._active is None:
             return steered
         run, invoke, step = self._active

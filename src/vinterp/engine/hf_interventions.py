@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.specs import RequestSpecs, Steering
 
@@ -48,6 +49,7 @@ class HFRequest:
     capture_id: str | None = None
     capture_sites: frozenset[str] = frozenset()
     capture_positions: str | list[int] = "last_prompt"
+    capture_heads: list[int] | None = None  # of the attention patterns it captures
     first_position: int = 0  # of the tokens the current forward step computes
 
 
@@ -73,6 +75,7 @@ class HFInterventions:
                 s for pattern in specs.capture.sites for s in order.expand(pattern)
             )
             request.capture_positions = specs.capture.positions
+            request.capture_heads = specs.capture.heads
         return request
 
     def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
@@ -92,6 +95,16 @@ class HFInterventions:
                 if captures(request.capture_positions, position, request.prompt_len):
                     rows[position] = seen[t].detach().clone()
         return steered
+
+    def at_pattern(self, site: str, pattern: Pattern) -> None:
+        """Record the last prompt token's row of an attention pattern the current request
+        captures (the prompt is one forward here)."""
+        request = self.current
+        if request is None or site not in request.capture_sites or request.first_position:
+            return
+        assert request.capture_id is not None
+        row = pattern.row(-1, request.capture_heads)
+        self._captured[request.capture_id][site][request.prompt_len - 1] = row
 
     def take(self, capture_ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per capture id and site: positions in order and their rows (as `merge_captures`)."""

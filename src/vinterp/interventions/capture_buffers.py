@@ -25,7 +25,7 @@ from torch import nn
 from vinterp.interventions.applied import AppliedCounters
 from vinterp.interventions.tables import SiteCapture
 from vinterp.interventions.uploads import upload
-from vinterp.sites.names import HEAD_SITES, ROUTER_SITES, SiteOrder
+from vinterp.sites.names import HEAD_SITES, PATTERN, ROUTER_SITES, SiteOrder, UnknownSiteError
 from vinterp.wire.tensors import is_int
 
 BufferSetting = bool | list[str]  # every site / none, or site names and patterns
@@ -76,10 +76,19 @@ def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
     buffers when named, so True costs what it did on models without them. An unknown name
     raises `UnknownSiteError`, which says what would be right."""
     if setting is True:
-        return frozenset(range(len(order.sites))) - order.ids_of((*HEAD_SITES, *ROUTER_SITES))
+        per_head = order.ids_of((*HEAD_SITES, PATTERN, *ROUTER_SITES))
+        return frozenset(range(len(order.sites))) - per_head
     if not setting:
         return frozenset()
-    return frozenset(order[site] for pattern in setting for site in order.expand(pattern))
+    sites = [site for pattern in setting for site in order.expand(pattern)]
+    patterns = [site for site in sites if site.endswith("." + PATTERN)]
+    if patterns:
+        raise UnknownSiteError(
+            f"capture_in_graph: {patterns[0]} cannot have a capture buffer (an attention "
+            "pattern is computed from the keys of every earlier step, outside the compiled "
+            "model); its captures run in uncompiled steps without one"
+        )
+    return frozenset(map(order.__getitem__, sites))
 
 
 class CaptureBuffers(nn.Module):

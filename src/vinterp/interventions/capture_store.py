@@ -87,8 +87,13 @@ class _Layout:
         self.parts = [[cid, positions[a:b]] for (cid, _), a, b in zip(owned, [0, *ends], ends)]
 
     def values(self, gathered: list[torch.Tensor]) -> torch.Tensor:
-        """One site's rows, from its steps' gathered tensors (in first-met order)."""
+        """One site's rows, from its steps' gathered tensors (in first-met order). Rows of
+        different widths (attention patterns over prompts of different lengths) are padded
+        with zeros to the widest; the front end cuts each back to its prompt."""
         pieces = [g[a:b] for g, a, b in zip(gathered, self.lo, self.hi)]
+        width = max(p.shape[-1] for p in pieces)
+        if any(p.shape[-1] < width for p in pieces):
+            pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in pieces]
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return values if self.rows is None else values.index_select(0, self.rows.to(values.device))
 

@@ -23,6 +23,8 @@ from vinterp.wire.specs import (
     Capture,
     RequestSpecs,
     Steering,
+    capture_sites,
+    is_pattern,
     selected_count,
     selection_ended,
     selects,
@@ -98,21 +100,30 @@ def content_key(steering: Steering) -> tuple[Any, ...]:
 @dataclass(frozen=True)
 class WorkerCapture:
     """A request's `Capture` as the capture tables use it: its id, the sites it names
-    expanded for this model, and the positions it selects."""
+    expanded for this model, and the positions it selects; the attention patterns it names
+    apart (one row each, the last prompt token's over the prompt), with their heads."""
 
     capture_id: str
     sites: tuple[str, ...]
     positions: str | frozenset[int]
+    patterns: tuple[str, ...] = ()
+    heads: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, capture_id: str, capture: Capture, order: SiteOrder) -> WorkerCapture:
         try:
-            sites = tuple(s for pattern in capture.sites for s in order.expand(pattern))
+            sites = capture_sites(capture, order)
         except UnknownSiteError as exc:
             raise WireError(f"capture.sites: {exc}") from None
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
         positions = capture.positions
         return cls(
-            capture_id, sites, positions if isinstance(positions, str) else frozenset(positions)
+            capture_id,
+            tuple(s for s in sites if not is_pattern(s)),
+            positions if isinstance(positions, str) else frozenset(positions),
+            tuple(filter(is_pattern, sites)),
+            None if capture.heads is None else tuple(capture.heads),
         )
 
     def count(self, first: int, end: int, prompt_len: int) -> int:

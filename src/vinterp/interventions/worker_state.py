@@ -71,6 +71,14 @@ class WorkerInterventions:
         if capture is not None:
             self.store.record_site(site, capture, value)
 
+    def keep_row(self, site: str, capture_id: str, position: int, row: torch.Tensor) -> None:
+        """Keep one captured row computed apart from the step's tables (an attention pattern's)."""
+        if self.captures_here:
+            parts = [(capture_id, [position])]
+            self.store.add_gathered(
+                site, SiteCapture(torch.zeros(1, dtype=torch.long), parts), row[None]
+            )
+
     def keep_gathered(self, buffers: CaptureBuffers) -> None:
         """Store this step's rows that the compiled model gathered into `buffers` (at the sites
         this worker holds: other pipeline stages keep theirs)."""

@@ -17,6 +17,8 @@ import torch
 from vinterp.ir.graph import STEP_ZERO, Graph, Node, decode_arg
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan
+from vinterp.sites.attention_pattern import Pattern
+from vinterp.sites.names import PATTERN
 
 ModelFunctions = dict[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -44,9 +46,13 @@ class TraceRun:
         self.save_set = set(self.graph.saves)
         self.sites_by_invoke: dict[int, list[str]] = {}
         self.nodes_by_invoke: dict[int, list[int]] = {}  # per step, look at one invoke's only
+        # attention patterns an invoke reads: its keys are kept from every step for them
+        self.patterns_by_invoke: dict[int, list[str]] = {}
         for (invoke, site), node_ids in self.plan.schedule.items():
             self.sites_by_invoke.setdefault(invoke, []).append(site)
             self.nodes_by_invoke.setdefault(invoke, []).extend(node_ids)
+            if site.endswith("." + PATTERN):
+                self.patterns_by_invoke.setdefault(invoke, []).append(site)
         for k, inv in enumerate(self.graph.invokes):
             self.max_steps[k] = int(inv.sampling.get("max_tokens", 16))
 
@@ -62,9 +68,12 @@ class TraceRun:
         return (node_id, 0 if self.graph.nodes[node_id].block == STEP_ZERO else step)
 
     def works_at(self, invoke: int, step: int) -> bool:
-        """Whether the invoke has anything to run at any site in this generation step."""
+        """Whether the invoke has anything to run at any site in this generation step (an
+        invoke that reads an attention pattern keeps its keys in every step)."""
         if self.failure is not None or step >= self.max_steps.get(invoke, 0):
             return False
+        if invoke in self.patterns_by_invoke:
+            return True
         nodes = self.nodes_by_invoke.get(invoke, ())
         return any(self.active_at(node_id, step) for node_id in nodes)
 
@@ -118,16 +127,25 @@ class TraceRun:
     def _arg(self, encoded: Any, step: int) -> Any:
         return decode_arg(encoded, lambda r: self.value(r, step))
 
-    def value(self, node_id: int, step: int) -> Any:
-        """The value of a node at a step, computing call nodes on demand."""
+    def value(self, node_id: int, step: int, rows_of_pattern: bool = False) -> Any:
+        """The value of a node at a step, computing call nodes on demand. An attention
+        pattern read stays a `Pattern` only for `rows_of_pattern` (the first argument of an
+        index, which computes only the rows it picks); elsewhere it is computed whole."""
         key = self.key(node_id, step)
         if key in self.values:
-            return self.values[key]
+            value = self.values[key]
+            if isinstance(value, Pattern) and not rows_of_pattern:
+                value = self.values[key] = value.full()
+            return value
         node = self.graph.nodes[node_id]
         if node.kind == "const":
             result = self.graph.tensors[node.args[0]]
         elif node.kind == "call":
-            args = [self._arg(a, step) for a in node.args]
+            lazy = node.target == "getitem"
+            args = [
+                decode_arg(a, lambda r, rows=lazy and i == 0: self.value(r, step, rows))
+                for i, a in enumerate(node.args)
+            ]
             kwargs = {k: self._arg(v, step) for k, v in node.kwargs.items()}
             if node.target.startswith("model."):
                 name = node.target.removeprefix("model.")
@@ -182,6 +200,8 @@ def _copy(value: Any, device: str | None = None) -> Any:
     """A detached copy (engines reuse activation buffers in place; DESIGN.md lesson 2)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(device or value.device, copy=True)
+    if isinstance(value, Pattern):
+        return value.copied() if device is None else value.full().to(device)
     if isinstance(value, (tuple, list)):
         return [_copy(v, device) for v in value]
     return value

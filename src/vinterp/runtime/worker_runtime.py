@@ -39,8 +39,9 @@ from vinterp.runtime.tensor_parallel import (
     full_raw,
     own_heads,
 )
+from vinterp.sites.attention_pattern import Pattern, PatternMath
 from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import HEAD_SITES, SiteOrder, UnknownSiteError, parse_site
+from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, UnknownSiteError, parse_site
 from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -91,6 +92,7 @@ class Watched:
     traced: bool = False  # a traced invoke has work in this step
     captured_rows: int = 0
     outside_buffers: bool = False  # a captured row at a site without a capture buffer
+    keeps_keys: bool = False  # a capture of attention patterns, its prompt not all computed
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Slot:
     start: int
     end: int
     row: int  # index among this step's requests (logits/samples row)
+    first: int = 0  # the position of its first row
 
 
 class WorkerRuntime:
@@ -132,7 +135,7 @@ class WorkerRuntime:
 
         # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
         tp = get_tensor_model_parallel_world_size()
-        self.sharded = order.ids_of(HEAD_SITES) if tp > 1 else frozenset()
+        self.sharded = order.ids_of((*HEAD_SITES, PATTERN)) if tp > 1 else frozenset()
         self.captured_sites: frozenset[str] = frozenset()  # those this step's captures name
 
         self.last_stage_start = last_stage_start(order.num_layers, get_pp_group().world_size)
@@ -142,6 +145,13 @@ class WorkerRuntime:
         self.scheduled: dict[str, int] = {}  # this step's requests -> tokens
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}  # site -> this step's slots with work there
+        # pattern site -> this step's slots whose invoke reads it in some step (keys kept)
+        self.keeping: dict[str, list[Slot]] = {}
+        # (trace, invoke) -> pattern site -> the invoke's keys at that layer so far
+        self.keys: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        # pattern site -> this step's requests capturing it whose prompt is not all computed
+        self.pattern_captures: dict[str, list[tuple[str, RowSpan, WorkerCapture]]] = {}
+        self.capture_keys: dict[str, dict[str, torch.Tensor]] = {}  # request -> site -> keys
         self.num_tokens = 0
         # watched: live requests looked at for captures or traces, summed over steps
         self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0, "watched": 0}
@@ -183,6 +193,8 @@ class WorkerRuntime:
         for handle in self.raw_hooks.pop(trace_id, ()):
             handle.remove()
         self.pipeline.forget(trace_id)
+        for kept in [k for k in self.keys if k[0] == trace_id]:
+            del self.keys[kept]
         return self.traces.pop(trace_id, None)
 
     def collect(self, trace_id: str) -> dict[str, Any]:
@@ -204,6 +216,7 @@ class WorkerRuntime:
             "exports": len(self.pipeline.exports),
             "received": len(self.pipeline.received),
             "captures": self.interventions.store.held(),
+            "kept_keys": len(self.keys) + len(self.capture_keys),  # for attention patterns
         }
 
     @property
@@ -242,6 +255,7 @@ class WorkerRuntime:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.watched.discard(req_id)
+            self.capture_keys.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             req = self.requests[new.req_id] = self._describe(new)
             if req.trace is not None or req.capture is not None:
@@ -264,6 +278,7 @@ class WorkerRuntime:
             capture = req.capture
             if capture is None:
                 continue  # traced only
+            watched.keeps_keys |= bool(capture.patterns) and req.num_computed < req.prompt_len
             rows = capture.count(req.num_computed, end, req.prompt_len)
             watched.captured_rows += rows
             watched.outside_buffers |= rows > 0 and not req.captures_in_buffers
@@ -296,14 +311,15 @@ class WorkerRuntime:
         )
 
     def _route(self, watched: Watched) -> StepMode:
-        """Uncompiled when a trace has work, steering overflows the buffers, or rows are
-        captured that the capture buffers cannot take; else compiled, capturing into the
-        buffers when there is something to capture."""
+        """Uncompiled when a trace has work, a capture of attention patterns keeps keys,
+        steering overflows the buffers, or rows are captured that the capture buffers cannot
+        take; else compiled, capturing into the buffers when there is something to capture."""
         buffers, rows = self.capture_buffers, watched.captured_rows
         in_graph = (
             buffers is not None and not watched.outside_buffers and 0 < rows <= buffers.max_rows
         )
-        uncompiled = watched.traced or self.steering_overflows or (rows > 0 and not in_graph)
+        uncompiled = watched.traced or watched.keeps_keys or self.steering_overflows
+        uncompiled |= rows > 0 and not in_graph
         return StepMode(uncompiled=uncompiled, graph_capture=in_graph and not uncompiled)
 
     def _count(self, mode: StepMode) -> None:
@@ -331,7 +347,9 @@ class WorkerRuntime:
         capture = scheduled.capture
         if capture is not None and self.capture_buffers is not None:
             chosen = self.capture_buffers.chosen
-            scheduled.captures_in_buffers = all(self.order[s] in chosen for s in capture.sites)
+            scheduled.captures_in_buffers = not capture.patterns and all(
+                self.order[s] in chosen for s in capture.sites
+            )
         return scheduled
 
     def _traces_now(self, req: Scheduled, num_tokens: int) -> bool:
@@ -345,10 +363,11 @@ class WorkerRuntime:
         self.steering.write(layout, num_tokens)
         if self.check is not None:
             self.check.begin()
-        self.slots, self.wanted, self.num_tokens = [], {}, num_tokens
+        self.slots, self.wanted, self.keeping, self.num_tokens = [], {}, {}, num_tokens
         capturing = self.python_step or self.graph_capture_step
         captures = self._captures(layout) if capturing else []
         self.interventions.begin_capture_step(captures)
+        self.pattern_captures = self._pattern_captures(layout) if self.python_step else {}
         if self.sharded:  # known on every rank, unlike the capture tables of the shipping one
             self.captured_sites = frozenset(site for _, c in captures for site in c.sites)
         if self.capture_buffers is not None:  # also empties the index after a capturing step
@@ -364,6 +383,8 @@ class WorkerRuntime:
         for slot in self.slots:
             for site in slot.run.sites_by_invoke.get(slot.invoke, ()):
                 self.wanted.setdefault(site, []).append(slot)
+            for site in slot.run.patterns_by_invoke.get(slot.invoke, ()):
+                self.keeping.setdefault(site, []).append(slot)
 
     def _captures(self, layout: list[tuple[str, int, int]]) -> list[tuple[RowSpan, WorkerCapture]]:
         """This step's capturing requests: their rows and capture specs."""
@@ -374,6 +395,22 @@ class WorkerRuntime:
                 span = RowSpan(start, end, req.num_computed, req.prompt_len)
                 captures.append((span, req.capture))
         return captures
+
+    def _pattern_captures(
+        self, layout: list[tuple[str, int, int]]
+    ) -> dict[str, list[tuple[str, RowSpan, WorkerCapture]]]:
+        """The requests of this step that capture attention patterns and compute prompt tokens
+        in it (they keep their keys until the last prompt token's row is captured)."""
+        found: dict[str, list[tuple[str, RowSpan, WorkerCapture]]] = {}
+        for req_id, start, end in layout:
+            req = self.requests.get(req_id)
+            capture = None if req is None else req.capture
+            if capture is None or not capture.patterns or req.num_computed >= req.prompt_len:
+                continue
+            span = RowSpan(start, end, req.num_computed, req.prompt_len)
+            for site in capture.patterns:
+                found.setdefault(site, []).append((req_id, span, capture))
+        return found
 
     def end_step(self) -> None:
         """After the forward is queued: keep what the capture buffers gathered; with the
@@ -412,7 +449,7 @@ class WorkerRuntime:
                     0,
                 )
             return
-        self.slots.append(Slot(run, trace_id, invoke, step, start, end, row))
+        self.slots.append(Slot(run, trace_id, invoke, step, start, end, row, req.num_computed))
 
     def on_site(self, site_id: int, x: torch.Tensor) -> torch.Tensor | None:
         if self.check is not None:
@@ -432,6 +469,37 @@ class WorkerRuntime:
         heads = self.order.heads.of(parse_site(site).part)
         new = self._at_site(site, full_heads(local, heads))
         return None if new is None else own_heads(new, local.shape[1])
+
+    def on_pattern(
+        self, site_id: int, query: torch.Tensor, key: torch.Tensor, math: PatternMath
+    ) -> None:
+        """A layer's q and k (T, heads, head_dim): each traced invoke that reads this layer's
+        pattern in some step keeps its keys (its positions before this step's from earlier
+        steps: vLLM's cache layout is the attention backend's own), and where it reads the
+        pattern in this step gets it over all of them. Whole heads under TP (a collective,
+        alike on every rank: the slots are)."""
+        site = self.order.sites[site_id]
+        slots, captures = self.keeping.get(site, ()), self.pattern_captures.get(site, ())
+        if not slots and not captures:
+            return
+        if site_id in self.sharded:
+            assert self.order.heads is not None
+            query = full_heads(query, self.order.heads.heads)
+            key = full_heads(key, self.order.heads.kv_heads)
+        reading = {id(slot) for slot in self.wanted.get(site, ())}
+        for slot in slots:
+            kept = self.keys.setdefault((slot.trace_id, slot.invoke), {})
+            pattern = _kept_pattern(kept, site, query, key, slot.start, slot.end, slot.first, math)
+            if id(slot) in reading:
+                slot.run.at_site(slot.invoke, slot.step, site, pattern)
+        for req_id, span, capture in captures:
+            kept = self.capture_keys.setdefault(req_id, {})
+            first, last = span.first_position, span.prompt_len - 1
+            pattern = _kept_pattern(kept, site, query, key, span.start, span.end, first, math)
+            if last < first + span.end - span.start:  # the last prompt token is in this step
+                row = pattern.row(last - first, capture.heads)
+                self.interventions.keep_row(site, capture.capture_id, last, row)
+                del kept[site]
 
     def _at_site(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
         """Capture and the traced invokes' nodes at a site whose value `x` is whole."""
@@ -490,6 +558,26 @@ class WorkerRuntime:
     def on_samples(self, sampled: torch.Tensor) -> None:
         for slot in self.wanted.get("samples", ()):
             slot.run.at_site(slot.invoke, slot.step, "samples", sampled[slot.row].reshape(1).long())
+
+
+def _kept_pattern(
+    kept: dict[str, torch.Tensor],
+    site: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    start: int,
+    end: int,
+    first: int,
+    math: PatternMath,
+) -> Pattern:
+    """One request's pattern at a site this step, rows start..end of the batch from position
+    `first` on; its keys of this step are added to those `kept` from earlier steps (a request
+    recomputed from an earlier position drops the keys from there)."""
+    own = key[start:end]
+    past = kept.get(site)
+    keys = kept[site] = own.clone() if past is None else torch.cat([past[:first], own])
+    positions = torch.arange(first, first + len(own), device=own.device)
+    return Pattern(query[start:end], keys, positions, math)
 
 
 def _last_position(modules: SiteModules, order: SiteOrder) -> int | None:

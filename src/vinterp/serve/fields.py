@@ -27,7 +27,7 @@ from vinterp.sites.modules import site_order
 from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
-from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering
+from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering, capture_sites
 
 FIELD = "vinterp"
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -65,9 +65,11 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
             raise FieldError("vinterp.capture.sink: the server returns captures; use 'memory'")
         order = site_order(config)
         try:
-            prepared.capture_sites = [s for p in capture.sites for s in order.expand(p)]
+            prepared.capture_sites = capture_sites(capture, order)
         except UnknownSiteError as exc:
             raise FieldError(f"vinterp.capture.sites: {exc}") from None
+        except ValueError as exc:
+            raise FieldError(f"vinterp.{exc}") from None
         prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
     return prepared
 

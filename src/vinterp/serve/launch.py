@@ -72,13 +72,10 @@ def serve(
     capture_in_graph: bool | str | list[str] = False,
 ) -> None:
     """Run the server in this process until it is stopped (the bundled model by default)."""
-    from vinterp.engine.platform_settings import configure_engine_environment
-
     if model is None:
         from vinterp.models import bundled
 
         model = str(bundled())
-    configure_engine_environment(1)
     allow_routes_plugin()
     from transformers import AutoConfig
 

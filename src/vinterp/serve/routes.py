@@ -108,7 +108,8 @@ async def stats(request: Request) -> JSONResponse:
 @router.get("/v1/vinterp/held")
 async def held(request: Request) -> JSONResponse:
     """What the workers hold for requests, summed (`vinterp_held_state`): traces, requests
-    followed, captured rows not yet taken; all zero once nothing runs."""
+    followed, captured rows not yet taken, keys kept for attention patterns; all zero once
+    nothing runs."""
     per_worker = await _engine(request).collective_rpc("vinterp_held_state")
     return JSONResponse({key: sum(w[key] for w in per_worker) for key in per_worker[0]})
 

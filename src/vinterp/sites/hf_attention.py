@@ -8,7 +8,8 @@ around the same function (its mask function too, so the masks stay the same) and
 the model to it: every architecture that uses the interface gets the sites, with no hook on
 modeling code.
 
-k and v arrive with the cached positions before this step's T: the sites are the last T.
+k and v arrive with the cached positions before this step's T: the sites are the last T. The
+pattern site gets a `Pattern` of this step's queries over all the keys handed over.
 Written k and v go into the tensors in place, which are the cache's own storage
 (`DynamicLayer`) or hold its window as a view (`DynamicSlidingWindowLayer`), so a write
 reaches both this step's attention and the later steps that read the cache.
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vinterp.sites.attention_pattern import Pattern, PatternMath
 from vinterp.sites.modules import SiteModules
 
-SiteCallback = Callable[[str, torch.Tensor], torch.Tensor | None]
+SiteCallback = Callable[[str, Any], torch.Tensor | None]
 _PREFIX = "vinterp_sites_"
 _LAYER = "_vinterp_layer"  # attribute of a hooked attention module: its layer index
 _CALLBACK = "_vinterp_heads"
@@ -56,11 +58,33 @@ def _attention(inner_name: str) -> Callable[..., Any]:
         for part, tensor in (("q", query), ("k", key), ("v", value)):
             rows = tensor[0, :, -tokens:].transpose(0, 1)  # this step's tokens
             _at_heads(f"layers.{layer}.attn.{part}", rows, callback)
+        callback(f"layers.{layer}.attn.pattern", _pattern(module, query, key, kwargs))
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)
         new = callback(f"layers.{layer}.attn.heads", out[0])
         return (out if new is None else new.unsqueeze(0)), weights
 
     return attention
+
+
+def _pattern(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+) -> Pattern:
+    """The layer's pattern over the keys it was handed, with the scaling, soft-cap and window
+    the module passes its attention function (eager attention's default scale without one).
+    The queries' positions come with the call; a sliding-window cache hands only the window's
+    keys, which end at the last query."""
+    tokens, held = query.shape[2], key.shape[2]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        positions = torch.arange(held - tokens, held, device=query.device)
+    else:
+        positions = position_ids[0, -tokens:].to(query.device)
+    scale = kwargs.get("scaling") or module.head_dim**-0.5
+    math = PatternMath(float(scale), kwargs.get("softcap"), kwargs.get("sliding_window"))
+    key_start = int(positions[-1]) + 1 - held
+    return Pattern(
+        query[0, :, -tokens:].transpose(0, 1), key[0].transpose(0, 1), positions, math, key_start
+    )
 
 
 def _inner(module: nn.Module, name: str) -> Callable[..., Any]:

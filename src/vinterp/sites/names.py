@@ -17,16 +17,19 @@ ROUTER_SITES = ("mlp.router.output", "mlp.router.experts")
 # attention uses them (after rotary embedding and any q/k norm; k and v with the kv heads),
 # and each head's output before the output projection; (T, heads, head_dim) each.
 HEAD_SITES = ("attn.q", "attn.k", "attn.v", "attn.heads")
+# The attention probabilities of a step's queries over every key they attend to, (heads, T_q,
+# T_k): computed from q and the keys when a trace reads them (`sites.attention_pattern`).
+PATTERN = "attn.pattern"
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
 STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
-READ_ONLY = ("mlp.router.experts",)  # parts a trace reads but never writes
+READ_ONLY = ("mlp.router.experts", PATTERN)  # parts a trace reads but never writes
 RAW_PREFIX = "raw."
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a
 # name that parses is one SiteOrder knows (or out of range).
 _SITE_RE = re.compile(
     r"layers\.(?P<layer>0|[1-9][0-9]*|\*)\."
     r"(?P<part>(?:(?:attn|mlp)\.)?(?:input|output)|mlp\.router\.(?:output|experts)"
-    r"|attn\.(?:q|k|v|heads))"
+    r"|attn\.(?:q|k|v|heads|pattern))"
     r"|(?P<module>embed|final_norm)\.output"
     r"|(?P<top>logits|samples)"
 )
@@ -34,7 +37,7 @@ _RAW_RE = re.compile(r"raw\.(\w+(?:\.\w+)*)\.(input|output)")
 SITES_HELP = (
     "sites are embed.output, layers.{i}.input|output, layers.{i}.attn.input|output, "
     "layers.{i}.mlp.input|output, final_norm.output, logits, samples; per attention head "
-    "layers.{i}.attn.q|k|v|heads; on mixture-of-experts models also "
+    "layers.{i}.attn.q|k|v|heads|pattern; on mixture-of-experts models also "
     "layers.{i}.mlp.router.output|experts"
 )
 
@@ -59,7 +62,7 @@ class SiteName:
 
     kind: Literal["layer", "model", "raw"]
     module: str
-    value: str  # "input", "output", "experts", "q", "k", "v", "heads"; "logits", "samples"
+    value: str  # "input", "output", "experts", "q", "k", "v", "pattern", "heads"; "logits", …
     layer: int | None = None  # None outside the layers and for `layers.*` in a pattern
 
     @property
@@ -133,9 +136,10 @@ def all_sites(
     num_layers: int, router: Router | None = None, heads: Heads | None = None
 ) -> list[str]:
     """Every standardized site in forward order (router sites at the layers that route,
-    per-head sites where the model has them)."""
+    per-head sites and the attention pattern where the model has them)."""
     routed = frozenset(router.layers) if router else frozenset()
-    attn = (LAYER_SITES[1], *(HEAD_SITES if heads else ()), LAYER_SITES[2])
+    per_head = (*HEAD_SITES[:3], PATTERN, HEAD_SITES[3]) if heads else ()
+    attn = (LAYER_SITES[1], *per_head, LAYER_SITES[2])
     sites = ["embed.output"]
     for i in range(num_layers):
         mlp = (LAYER_SITES[3], *(ROUTER_SITES if i in routed else ()), LAYER_SITES[4])
@@ -208,9 +212,10 @@ def describe_unknown(site: str, order: SiteOrder) -> str:
             f"site {site!r}: layer index {parsed.layer} is out of range; "
             f"this model has layers 0..{order.num_layers - 1}"
         )
-    if parsed.kind == "layer" and parsed.part in HEAD_SITES:
+    if parsed.kind == "layer" and parsed.part in (*HEAD_SITES, PATTERN):
         return (
-            f"site {site!r}: this model has no per-head attention sites (attn.q|k|v|heads): "
+            f"site {site!r}: this model has no per-head attention sites "
+            "(attn.q|k|v|heads|pattern): "
             "OPT's q is scaled before attention in transformers and inside it in vLLM, and "
             "models without a site map of vinterp's have none (API.md section 2)"
         )

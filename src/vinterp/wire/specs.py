@@ -7,8 +7,8 @@ form (tensors as raw bytes) that rides in a vLLM request's `extra_args` under
 WireError. What a worker needs beyond the spec (serials, content keys, scaled vectors) is
 built from it there (`vinterp.interventions.specs`).
 
-Checks that need the model (layer range, hidden size) are `steering_misfit`, run by the
-front ends before a request is queued and again by the workers.
+Checks that need the model (layer range, hidden size, heads) are `steering_misfit` and
+`capture_sites`, run by the front ends before a request is queued and again by the workers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from vinterp.sites.names import UnknownSiteError, is_steerable, parse_site
+from vinterp.sites.names import PATTERN, SiteOrder, UnknownSiteError, is_steerable, parse_site
 from vinterp.wire.errors import WireError, short
 from vinterp.wire.json_form import tensor_from_json, tensor_to_json
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
@@ -117,6 +117,7 @@ class Capture(BaseModel):
     positions: PositionSelector | list[int] = "last_prompt"
     sink: Literal["memory", "filesystem", "logging"] = "memory"
     path: str | None = None
+    heads: list[int] | None = None  # the heads of attn.pattern sites to capture (None: all)
 
     def __init__(self, sites: list[str] | str, **kwargs: Any) -> None:
         if isinstance(kwargs.get("path"), os.PathLike):  # a pathlib.Path is welcome too
@@ -134,7 +135,8 @@ class Capture(BaseModel):
                     f"sites: {short(site)} cannot be captured; use embed.output, "
                     "final_norm.output or "
                     "layers.{i|*}.input|output|attn.input|attn.output|mlp.input|mlp.output"
-                    "|attn.q|attn.k|attn.v|attn.heads|mlp.router.output|mlp.router.experts"
+                    "|attn.q|attn.k|attn.v|attn.heads|attn.pattern|mlp.router.output"
+                    "|mlp.router.experts"
                 )
         return value
 
@@ -149,6 +151,21 @@ class Capture(BaseModel):
     def _sink_path(self) -> Capture:
         if self.sink == "filesystem" and not self.path:
             raise ValueError("path: the filesystem sink needs path=<directory>")
+        return self
+
+    @model_validator(mode="after")
+    def _patterns(self) -> Capture:
+        patterns = [s for s in self.sites if is_pattern(s)]
+        if patterns and self.positions != "last_prompt":
+            raise ValueError(
+                "positions: an attention pattern (attn.pattern) is captured at "
+                "positions='last_prompt' only: the last prompt token's row over the prompt"
+            )
+        if self.heads is not None:
+            if not patterns:
+                raise ValueError("heads: picks the heads of attn.pattern sites; name one in sites")
+            if not self.heads or min(self.heads) < 0 or len(set(self.heads)) < len(self.heads):
+                raise ValueError("heads: distinct head indices >= 0, e.g. [0, 3]")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -301,6 +318,22 @@ def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
         raise WireError("steering.vectors: expected {site: tensor}")
     vectors = {s: tensor(v, f"steering.vectors[{short(s)}]") for s, v in obj["vectors"].items()}
     return _validated(Steering, "steering", {**obj, "vectors": vectors})
+
+
+def is_pattern(site: str) -> bool:
+    """Whether a site name (or glob) names attention patterns."""
+    return site.endswith("." + PATTERN)
+
+
+def capture_sites(capture: Capture, order: SiteOrder) -> list[str]:
+    """The sites a capture names on this model, expanded; raises ValueError (an unknown site,
+    or a head the model does not have)."""
+    sites = [s for pattern in capture.sites for s in order.expand(pattern)]
+    if capture.heads is not None and order.heads is not None:
+        heads = order.heads.heads
+        if max(capture.heads) >= heads:
+            raise ValueError(f"capture.heads: this model has {heads} heads (0..{heads - 1})")
+    return sites
 
 
 def _is_capturable(site: Any) -> bool:
