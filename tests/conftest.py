@@ -99,6 +99,19 @@ def engines() -> Iterator[EnginePool]:
     pool.release()
 
 
+@pytest.fixture(scope="module")
+def in_process() -> Iterator[None]:
+    """The module's engines in this process (two process starts fewer each); an in-process
+    engine freezes vLLM's environment (its envs cache), so it is thawed again for the engines
+    of later modules. A module asks for it with `pytest.mark.usefixtures("in_process")`."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+    vllm.envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> Callable[[], Any]:
     return vinterp.models.tiny("llama")

@@ -106,3 +106,15 @@ def test_other_indexes_index_the_whole_pattern() -> None:
     full = pattern.full()
     for index in (..., (None, 1), torch.tensor([0, 3])):
         assert torch.equal(pattern[index], full[index])
+
+
+def test_kept_keys_grow_by_steps_and_a_recomputed_request_replaces_them() -> None:
+    from vinterp.runtime.worker_runtime import KeptKeys
+
+    keys = torch.randn(30, KV_HEADS, HEAD_DIM)
+    kept = KeptKeys()
+    assert torch.equal(kept.put(0, keys[:13]), keys[:13])  # a prompt
+    for position in range(13, 20):  # decode steps, one key each
+        assert torch.equal(kept.put(position, keys[position : position + 1]), keys[: position + 1])
+    redone = torch.randn(16, KV_HEADS, HEAD_DIM)  # preempted, recomputed from position 4
+    assert torch.equal(kept.put(4, redone), torch.cat([keys[:4], redone]))

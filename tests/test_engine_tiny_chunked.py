@@ -49,6 +49,8 @@ def test_attention_pattern_captures_across_chunks_equal_transformers(
     prompts = [LONG, SHORT, LONG[:100]]
     got = chunked.generate(prompts, max_tokens=2, capture=cap)
     hf = engines.hf(tiny_llama).generate(prompts, max_tokens=2, capture=cap)
+    held = chunked.engine.collective_rpc("vinterp_held_state")[0]
+    assert held["kept_keys"] == held["captures"] == 0  # the keys went with the rows
     for out, hf_out in zip(got, hf):
         ids = list(out.prompt_token_ids)
         want = eager_attentions(tiny_llama, ids)

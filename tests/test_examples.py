@@ -10,6 +10,9 @@ from types import ModuleType
 
 import pytest
 import torch
+from eager_attention import eager_attentions
+
+import vinterp
 
 pytestmark = pytest.mark.engine("bundled")
 
@@ -98,4 +101,26 @@ def test_generation_entropy(llm, tmp_path) -> None:
     # At the last layer the lens is the model's own logits: same distribution, same entropy.
     own = torch.distributions.Categorical(logits=logits[0]).entropy()
     assert entropies[0, -1] == pytest.approx(float(own), abs=1e-3)
+    assert_pngs(result["png"])
+
+
+def test_induction_heads(llm, tmp_path) -> None:
+    module = example("induction_heads")
+    result = module.run(llm, tmp_path)
+    patterns, ids, scores = result["patterns"], result["ids"], result["scores"]
+    heads = llm.config.num_attention_heads
+    assert patterns.shape == (len(llm.layers), heads, len(ids), len(ids))
+    # the engine's patterns are transformers' eager attention over the same weights
+    want = torch.stack(eager_attentions(vinterp.models.bundled(), ids))
+    assert float((patterns - want).norm() / want.norm()) < 1e-4
+    # a score is the mean attention to the token after the earlier copy, here by hand
+    layer, head = divmod(int(scores.argmax()), heads)
+    first, length = len(ids) - 2 * module.LENGTH, module.LENGTH
+    by_hand = sum(
+        float(patterns[layer, head, q, q - length + 1])
+        for q in range(first + length, first + 2 * length)
+    )
+    assert scores[layer, head] == pytest.approx(by_hand / length, rel=1e-5)
+    # a trained model has a few strong induction heads among many that are not
+    assert float(scores.max()) > 0.5 > 5 * float(scores.median())
     assert_pngs(result["png"])

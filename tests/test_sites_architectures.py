@@ -12,12 +12,10 @@ this process (two process starts fewer each).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import vllm.envs
 from eager_attention import eager_attentions
 from vllm.config import CompilationMode
 
@@ -75,14 +73,7 @@ TRACED_NOT_INDUCTOR = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def in_process() -> Iterator[None]:
-    """Engines in this process; an in-process engine freezes vLLM's environment (its envs
-    cache), so it is thawed again for the engines of later modules."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
-    vllm.envs.disable_envs_cache()
+pytestmark = pytest.mark.usefixtures("in_process")
 
 
 ON_VLLM = [arch for arch in SUPPORTED if arch != "gpt_neox"]

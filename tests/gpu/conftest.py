@@ -1,8 +1,9 @@
 """GPU acceptance tests: vinterp with CUDA graphs in bf16 against its own `enforce_eager=True`
-engine and plain vLLM (test_gpu_check.py, one GPU), and tensor and pipeline parallelism
-against one worker (test_gpu_parallel.py, two GPUs). Skipped on a machine without a CUDA GPU
-(the two-GPU tests: with fewer than two), as on the CPU machine `make test` runs on; marked
-`engine` (not in `make test-fast`).
+engine and plain vLLM (test_gpu_check.py, one GPU), attention patterns on two attention
+backends and mixture-of-experts routers against transformers (test_gpu_attention.py, one
+GPU), and tensor and pipeline parallelism against one worker (test_gpu_parallel.py, two
+GPUs). Skipped on a machine without a CUDA GPU (the two-GPU tests: with fewer than two), as on
+the CPU machine `make test` runs on; marked `engine` (not in `make test-fast`).
 
 On the lent GPU machine (/work/shared/gpu/README.md: install the wheels, then, in the call
 that sends the last part or a later one):

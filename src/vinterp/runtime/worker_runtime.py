@@ -148,10 +148,10 @@ class WorkerRuntime:
         # pattern site -> this step's slots whose invoke reads it in some step (keys kept)
         self.keeping: dict[str, list[Slot]] = {}
         # (trace, invoke) -> pattern site -> the invoke's keys at that layer so far
-        self.keys: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        self.keys: dict[tuple[str, int], dict[str, KeptKeys]] = {}
         # pattern site -> this step's requests capturing it whose prompt is not all computed
         self.pattern_captures: dict[str, list[tuple[str, RowSpan, WorkerCapture]]] = {}
-        self.capture_keys: dict[str, dict[str, torch.Tensor]] = {}  # request -> site -> keys
+        self.capture_keys: dict[str, dict[str, KeptKeys]] = {}  # request -> site -> keys
         self.num_tokens = 0
         # watched: live requests looked at for captures or traces, summed over steps
         self.stats = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0, "watched": 0}
@@ -478,6 +478,8 @@ class WorkerRuntime:
         steps: vLLM's cache layout is the attention backend's own), and where it reads the
         pattern in this step gets it over all of them. Whole heads under TP (a collective,
         alike on every rank: the slots are)."""
+        if self.check is not None:
+            self.check.visit(site_id)
         site = self.order.sites[site_id]
         slots, captures = self.keeping.get(site, ()), self.pattern_captures.get(site, ())
         if not slots and not captures:
@@ -500,6 +502,8 @@ class WorkerRuntime:
                 row = pattern.row(last - first, capture.heads)
                 self.interventions.keep_row(site, capture.capture_id, last, row)
                 del kept[site]
+                if not kept:
+                    del self.capture_keys[req_id]
 
     def _at_site(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
         """Capture and the traced invokes' nodes at a site whose value `x` is whole."""
@@ -560,8 +564,30 @@ class WorkerRuntime:
             slot.run.at_site(slot.invoke, slot.step, "samples", sampled[slot.row].reshape(1).long())
 
 
+class KeptKeys:
+    """One request's keys at one layer, position by position, in a buffer that doubles when
+    full (a step adds its keys without copying the earlier ones)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
+
+    def put(self, first: int, own: torch.Tensor) -> torch.Tensor:
+        """Keys of positions `first`.. (a request recomputed from an earlier position
+        replaces them from there); all of them up to the last, a view."""
+        end = first + len(own)
+        if self.buffer is None or end > len(self.buffer):
+            grown = own.new_empty((max(end, 2 * self.length), *own.shape[1:]))
+            if self.buffer is not None:
+                grown[:first] = self.buffer[:first]
+            self.buffer = grown
+        self.buffer[first:end] = own
+        self.length = end
+        return self.buffer[:end]
+
+
 def _kept_pattern(
-    kept: dict[str, torch.Tensor],
+    kept: dict[str, KeptKeys],
     site: str,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -571,12 +597,9 @@ def _kept_pattern(
     math: PatternMath,
 ) -> Pattern:
     """One request's pattern at a site this step, rows start..end of the batch from position
-    `first` on; its keys of this step are added to those `kept` from earlier steps (a request
-    recomputed from an earlier position drops the keys from there)."""
-    own = key[start:end]
-    past = kept.get(site)
-    keys = kept[site] = own.clone() if past is None else torch.cat([past[:first], own])
-    positions = torch.arange(first, first + len(own), device=own.device)
+    `first` on, over its keys of this step and those `kept` from earlier steps."""
+    keys = kept.setdefault(site, KeptKeys()).put(first, key[start:end])
+    positions = torch.arange(first, end - start + first, device=key.device)
     return Pattern(query[start:end], keys, positions, math)
 
 
