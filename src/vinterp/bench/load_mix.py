@@ -215,15 +215,17 @@ def _stream(session: Session, entry: Entry) -> Answer:
 
 def patching_trace(client: Any, prompts: list[Any], layer: int, max_tokens: int) -> Answer:
     """Patching across invokes: the first prompt's last row at `layer` written into the
-    second's; the clean row, the patched logits and both outputs come back."""
+    second's; the clean row, the first prompt's attention pattern row at its last token (its
+    keys kept over every step), the patched logits and both outputs come back."""
     with client.trace(max_tokens=max_tokens, use_tqdm=False) as tr:
         with tr.invoke(prompts[0]):
             clean = client.layers[layer].output[-1].save()
+            pattern = client.layers[layer].attn.pattern[:, -1].save()
         with tr.invoke(prompts[1]):
             client.layers[layer].output[-1] = clean
             patched = client.logits.save()
     text = "\x00".join(out.text for out in tr.outputs)
-    return Answer(text, {"clean": clean, "patched": patched})
+    return Answer(text, {"clean": clean, "pattern": pattern, "patched": patched})
 
 
 def _trace(session: Session, entry: Entry) -> Answer:
