@@ -53,7 +53,10 @@ def run(llm: vinterp.LLM, out_dir: Path) -> dict[str, Any]:
         scores.flip(0),  # last layer on top
         row_labels=[f"layer {i}" for i in reversed(range(layers))],
         col_labels=[f"head {h}" for h in range(heads)],
-        title=f"Induction score: attention to the token after the earlier copy ({LENGTH} tokens)",
+        title=(
+            "Induction score per head\n(attention to the token\n"
+            f"after the earlier copy, {LENGTH} tokens)"
+        ),
         path=Path(out_dir) / "induction_heads.png",
         colorbar_label="mean attention",
         vmin=0.0,
