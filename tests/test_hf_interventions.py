@@ -121,3 +121,25 @@ def test_pattern_capture_is_the_traced_rows_of_its_heads(llm) -> None:
     too_far = vinterp.Capture("layers.1.attn.pattern", heads=[heads])
     with pytest.raises(ValueError, match=f"this model has {heads} heads"):
         llm.generate(PROMPT, max_tokens=1, capture=too_far)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_hf_backend_patterns_over_a_sliding_window_cache(engines, arch) -> None:
+    """On the HF backend a decode step's keys come from transformers' cache, which keeps only
+    the window on sliding layers: the row still spans every position, equal to eager attention."""
+    from eager_attention import eager_attentions
+
+    path = vinterp.models.tiny(arch, sliding_window=8)
+    hf = engines.hf(path)
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen"
+    with hf.trace(prompt, max_tokens=4, ignore_eos=True, use_tqdm=False) as tr:
+        full = hf.layers[0].attn.pattern.save()
+        for _ in tr.iter[1:4]:
+            rows = hf.layers[0].attn.pattern.save()
+    ids, tokens = list(tr.outputs[0].prompt_token_ids), tr.outputs[0].token_ids
+    want = eager_attentions(path, ids + tokens[:3])[0]
+    n = len(ids)
+    assert n > 8 and torch.allclose(full, want[:, :n, :n], atol=1e-5)
+    for k, row in enumerate(rows, start=1):
+        assert row.shape == (want.shape[0], 1, n + k)
+        assert torch.allclose(row, want[:, n + k - 1 : n + k, : n + k], atol=1e-5)
