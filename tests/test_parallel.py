@@ -33,6 +33,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 HEAD_CAPTURE = vinterp.Capture(["layers.1.attn.k", "layers.3.attn.heads"], positions="all")
+PATTERN_CAPTURE = vinterp.Capture(["layers.0.attn.pattern", "layers.3.attn.pattern"], heads=[3, 1])
 
 
 def fast_path_results(llm):
@@ -41,7 +42,9 @@ def fast_path_results(llm):
         first, last = llm.layers[0].output.save(), llm.layers[3].output.save()
     # per-head sites have no capture buffers under TP: they are gathered in uncompiled steps
     heads = llm.generate(PROMPTS[:2], capture=HEAD_CAPTURE, **SAMPLING)
-    captures = [o.captures for o in outs] + [o.captures for o in heads]
+    # prompts of different lengths: their pattern rows are as wide as each prompt
+    patterns = llm.generate(PROMPTS, capture=PATTERN_CAPTURE, **SAMPLING)
+    captures = [o.captures for o in (*outs, *heads, *patterns)]
     return [o.token_ids for o in outs], captures, (first, last)
 
 
