@@ -31,6 +31,8 @@ DISTINCT = [
     for k in range(16)
 ]
 AFTER = vinterp.Capture(["layers.20.output"], positions="last_prompt")
+# the bundled model's induction heads (examples/induction_heads.py)
+PATTERNS = vinterp.Capture(["layers.17.attn.pattern", "layers.18.attn.pattern"], heads=[6, 3])
 STEP_TOKENS = 1024  # the server's max_num_batched_tokens
 BODY_MB = 1  # the server's --max-body-mb
 
@@ -80,11 +82,13 @@ def reference(engines) -> dict:
         use_tqdm=False,
         **SAMPLING,
     )
+    patterns = llm.generate(PROMPT, capture=PATTERNS, use_tqdm=False, **SAMPLING)
     engines.release()  # one engine at a time on this machine
     return {
         "plain": plain.text,
         "steered": steered[0].text,
         "captures": steered[0].captures,
+        "patterns": patterns[0].captures,
         "traces": traced,
         "distinct": distinct,
     }
@@ -122,6 +126,15 @@ def test_openai_client_steers_and_captures_like_llm(server, reference) -> None:
     assert complete(server).choices[0].text == reference["plain"]  # nothing left behind
 
 
+def test_attention_pattern_captures_come_back_like_llms(server, reference) -> None:
+    r = complete(server, extra_body={"vinterp": {"capture": PATTERNS.to_json()}})
+    captures = vinterp.captures_from_json(r.model_extra["vinterp"]["captures"])
+    assert list(captures) == list(reference["patterns"])
+    for site, value in reference["patterns"].items():
+        assert captures[site].shape == value.shape == (1, 2, value.shape[-1]), site
+        assert rel_err(captures[site], value) < 1e-5, site
+
+
 @pytest.mark.parametrize("forged", [{"trace": ["0" * 32, 0]}, "{}"])
 def test_vinterps_own_extra_args_cannot_be_sent_raw(server, reference, forged) -> None:
     """The workers trust this extra arg (vinterp writes it after its checks): a client's
@@ -150,6 +163,11 @@ def test_keys_are_required_except_for_health(server) -> None:
         ({"steering": vinterp.Steering({"layers.99.output": torch.ones(576)}).to_json()}, "range"),
         ({"steering": vinterp.Steering({"layers.1.output": torch.ones(3)}).to_json()}, "hidden"),
         ({"capture": {"sites": ["layers.99.output"]}}, "out of range"),
+        ({"capture": {"sites": ["layers.1.attn.pattern"], "heads": [9]}}, "has 9 heads"),
+        (
+            {"capture": {"sites": ["layers.1.attn.pattern"], "positions": "all"}},
+            "positions='last_prompt' only",
+        ),
         (
             {"capture": {"sites": ["layers.1.output"], "sink": "filesystem", "path": "/etc"}},
             "memory",
