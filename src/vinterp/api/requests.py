@@ -21,14 +21,13 @@ from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import UnknownSiteError
+from vinterp.sites.names import UnknownSiteError, is_pattern
 from vinterp.store.files import write_atomic
 from vinterp.wire.specs import (
     Capture,
     RequestSpecs,
     Steering,
     capture_sites,
-    is_pattern,
     selected_count,
     steering_misfit,
 )

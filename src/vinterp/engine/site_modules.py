@@ -279,9 +279,7 @@ def _row_shapes(
 def held_site_ids(modules: SiteModules, order: SiteOrder) -> frozenset[int]:
     """The sites this worker's model runs (a pipeline stage: its own)."""
     placed = _placements(modules, order)
-    return frozenset(
-        v for _, _, io in placed for k, v in io.items() if k.endswith("_id") and v is not None
-    )
+    return frozenset(v for _, _, io in placed for k, v in io.items() if k.endswith("_id"))
 
 
 def install_vllm_sites(

@@ -25,7 +25,14 @@ from torch import nn
 from vinterp.interventions.applied import AppliedCounters
 from vinterp.interventions.tables import SiteCapture
 from vinterp.interventions.uploads import upload
-from vinterp.sites.names import HEAD_SITES, PATTERN, ROUTER_SITES, SiteOrder, UnknownSiteError
+from vinterp.sites.names import (
+    HEAD_SITES,
+    PATTERN,
+    ROUTER_SITES,
+    SiteOrder,
+    UnknownSiteError,
+    is_pattern,
+)
 from vinterp.wire.tensors import is_int
 
 BufferSetting = bool | list[str]  # every site / none, or site names and patterns
@@ -81,7 +88,7 @@ def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
     if not setting:
         return frozenset()
     sites = [site for pattern in setting for site in order.expand(pattern)]
-    patterns = [site for site in sites if site.endswith("." + PATTERN)]
+    patterns = [site for site in sites if is_pattern(site)]
     if patterns:
         raise UnknownSiteError(
             f"capture_in_graph: {patterns[0]} cannot have a capture buffer (an attention "

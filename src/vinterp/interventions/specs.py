@@ -17,14 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.names import SiteOrder, UnknownSiteError, is_pattern
 from vinterp.wire.errors import WireError
 from vinterp.wire.specs import (
     Capture,
     RequestSpecs,
     Steering,
     capture_sites,
-    is_pattern,
     selected_count,
     selection_ended,
     selects,

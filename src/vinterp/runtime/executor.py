@@ -18,7 +18,7 @@ from vinterp.ir.graph import STEP_ZERO, Graph, Node, decode_arg
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan
 from vinterp.sites.attention_pattern import Pattern
-from vinterp.sites.names import PATTERN
+from vinterp.sites.names import is_pattern
 
 ModelFunctions = dict[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -51,7 +51,7 @@ class TraceRun:
         for (invoke, site), node_ids in self.plan.schedule.items():
             self.sites_by_invoke.setdefault(invoke, []).append(site)
             self.nodes_by_invoke.setdefault(invoke, []).extend(node_ids)
-            if site.endswith("." + PATTERN):
+            if is_pattern(site):
                 self.patterns_by_invoke.setdefault(invoke, []).append(site)
         for k, inv in enumerate(self.graph.invokes):
             self.max_steps[k] = int(inv.sampling.get("max_tokens", 16))

@@ -108,6 +108,11 @@ def is_read_only(site: str) -> bool:
     return parsed.kind == "layer" and parsed.part in READ_ONLY
 
 
+def is_pattern(site: str) -> bool:
+    """Whether a site name (or glob) names attention patterns."""
+    return site.endswith("." + PATTERN)
+
+
 @dataclass(frozen=True)
 class Heads:
     """A model's attention heads, for the per-head sites: query heads, key/value heads

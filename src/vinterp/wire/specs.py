@@ -22,7 +22,13 @@ from typing import Any, Literal, get_args
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from vinterp.sites.names import PATTERN, SiteOrder, UnknownSiteError, is_steerable, parse_site
+from vinterp.sites.names import (
+    SiteOrder,
+    UnknownSiteError,
+    is_pattern,
+    is_steerable,
+    parse_site,
+)
 from vinterp.wire.errors import WireError, short
 from vinterp.wire.json_form import tensor_from_json, tensor_to_json
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
@@ -318,11 +324,6 @@ def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
         raise WireError("steering.vectors: expected {site: tensor}")
     vectors = {s: tensor(v, f"steering.vectors[{short(s)}]") for s, v in obj["vectors"].items()}
     return _validated(Steering, "steering", {**obj, "vectors": vectors})
-
-
-def is_pattern(site: str) -> bool:
-    """Whether a site name (or glob) names attention patterns."""
-    return site.endswith("." + PATTERN)
 
 
 def capture_sites(capture: Capture, order: SiteOrder) -> list[str]:
