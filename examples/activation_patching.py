@@ -14,7 +14,6 @@ heatmap; colour = share of the clean-minus-corrupted gap that the patch restores
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -132,15 +131,7 @@ def _spans(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def main() -> None:
-    """`--out DIR` for the PNGs; `--backend hf` runs the transformers reference instead."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
-    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
-    args = parser.parse_args()
-    with vinterp.LLM(backend=args.backend) as llm:
-        run(llm, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from _common import main  # examples/_common.py: --out DIR, --backend, the engine start
+
+    main(run, __doc__)

@@ -9,7 +9,6 @@ position, all in one trace. The heatmap shows the top token (text) and its proba
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +66,7 @@ def _report(result: dict[str, Any]) -> None:
     print(f"wrote {result['png']}")
 
 
-def main() -> None:
-    """`--out DIR` for the PNG; `--backend hf` runs the transformers reference instead."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
-    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
-    args = parser.parse_args()
-    with vinterp.LLM(backend=args.backend) as llm:
-        run(llm, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from _common import main  # examples/_common.py: --out DIR, --backend, the engine start
+
+    main(run, __doc__)

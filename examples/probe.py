@@ -13,7 +13,6 @@ for one city is the wrong one for another, so surface features mislead a probe t
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +111,7 @@ def _report(result: dict[str, Any]) -> None:
     print(f"wrote {result['png']}")
 
 
-def main() -> None:
-    """`--out DIR` for the PNG and captures; `--backend hf` runs the transformers reference."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
-    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
-    args = parser.parse_args()
-    with vinterp.LLM(backend=args.backend) as llm:
-        run(llm, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from _common import main  # examples/_common.py: --out DIR, --backend, the engine start
+
+    main(run, __doc__)
