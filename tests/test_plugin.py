@@ -36,9 +36,9 @@ def test_vllm_releases_outside_the_supported_range_are_refused_before_a_start() 
 
     from vinterp.engine.vllm_engine import check_vllm_version, vinterp_engine_settings
 
-    for version in ("0.32.0", "0.32.1+cpu", "0.32.2.dev3"):
+    for version in ("0.32.0", "0.32.1+cpu", "0.32.2.dev3", "0.33.0", "0.33.1"):
         check_vllm_version(version)
-    for version in ("0.33.0", "0.31.2", "1.0.0", "unknown"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM >= 0\.32, < 0\.33"):
+    for version in ("0.34.0", "0.31.2", "1.0.0", "unknown"):
+        with pytest.raises(RuntimeError, match=r"supports vLLM >= 0\.32, < 0\.34"):
             check_vllm_version(version)
     assert vinterp_engine_settings()["enable_prefix_caching"] is False  # this vLLM passes

