@@ -66,7 +66,7 @@ def test_the_compiled_ops_count_exactly_the_rows_they_change() -> None:
         return gm.forward
 
     def model(x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([steer(site_id, x) for site_id in range(len(ORDER.sites))])
+        return torch.stack([steer(torch.tensor([i]), x) for i in range(len(ORDER.sites))])
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(0)
@@ -121,7 +121,8 @@ def test_a_site_that_did_not_run_is_reported() -> None:
     for site_id in held:
         if site_id != missing:
             check.visit(site_id)
-            capture(site_id, steer(site_id, x))
+            site_index = torch.tensor([site_id])
+            capture(site_id, site_index, steer(site_index, x))
     check.end(7, True, state.steered_per_site(), [site, missing])
     messages = check.take()
     assert messages == [

@@ -51,6 +51,11 @@ def request(req_id: str, positions: range, prompt_len: int, specs: list) -> Stee
     )
 
 
+def site_index(site: str) -> torch.Tensor:
+    """The site's id as the one-element tensor the model's site ops index with."""
+    return torch.tensor([ORDER[site]])
+
+
 def buffers(max_rows: int = 8) -> SteerBuffers:
     return SteerBuffers(len(ORDER.sites), H, 16, 8, max_rows, torch.float32, "cpu")
 
@@ -59,7 +64,7 @@ def steered(state: SteeringPlanner, requests, layout, num_tokens, x, site=SITE) 
     """Plan and write one step, then apply the buffers to x at `site` (reference: by hand)."""
     assert not state.plan(requests)
     state.write(layout, num_tokens)
-    return state.buffers(ORDER[site], x)
+    return state.buffers(site_index(site), x)
 
 
 def test_steering_rows_follow_phase_positions_and_requests() -> None:
@@ -76,10 +81,12 @@ def test_steering_rows_follow_phase_positions_and_requests() -> None:
     out = steered(state, [only_1], [("a", 0, 3)], 3, torch.zeros(3, H))
     assert out[:, 0].tolist() == [0.0, 2.0, 0.0]
     # other sites, and a step with no steering, add exactly nothing
-    assert torch.equal(state.buffers(ORDER["layers.0.output"], torch.ones(3, H)), torch.ones(3, H))
+    assert torch.equal(
+        state.buffers(site_index("layers.0.output"), torch.ones(3, H)), torch.ones(3, H)
+    )
     assert not state.plan([])
     state.write([("a", 0, 3)], 3)
-    assert torch.equal(state.buffers(ORDER[SITE], torch.ones(3, H)), torch.ones(3, H))
+    assert torch.equal(state.buffers(site_index(SITE), torch.ones(3, H)), torch.ones(3, H))
 
 
 def test_norm_match_scales_with_each_rows_norm() -> None:
@@ -96,7 +103,7 @@ def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> N
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
     state.write([(str(i), i, i + 1) for i in range(3)], 3)
-    out = state.buffers(ORDER[SITE], torch.zeros(3, H))
+    out = state.buffers(site_index(SITE), torch.zeros(3, H))
     assert out[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert not state.plan([])
     state.write([], 3)
@@ -112,7 +119,9 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
 
     steer_buffers = buffers()
     state = SteeringPlanner(steer_buffers, ORDER)
-    fn = torch.compile(lambda x: steer_buffers(ORDER[SITE], x), backend=backend, fullgraph=True)
+    fn = torch.compile(
+        lambda x: steer_buffers(site_index(SITE), x), backend=backend, fullgraph=True
+    )
     x = torch.zeros(2, H)
     assert torch.equal(fn(x), x)
     for scale in (1.0, 5.0):
@@ -123,6 +132,53 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
     state.write([], 2)
     assert torch.equal(fn(x), x)
     assert len(compiles) == 1
+
+
+def _graph_form(gm: torch.fx.GraphModule) -> list[tuple]:
+    """A graph with its inputs' names left out: what vLLM compares to compile a graph once
+    for every layer whose graph is alike."""
+    number = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def args(a):
+        return str(torch.fx.node.map_arg(a, lambda node: f"%{number[node]}"))
+
+    return [
+        (n.op, None if n.op == "placeholder" else str(n.target), args(n.args), args(n.kwargs))
+        for n in gm.graph.nodes
+    ]
+
+
+def test_the_site_ops_of_every_layer_compile_to_one_graph() -> None:
+    """Two layers with steering and a capture buffer at their outputs: the same graph but for
+    its inputs, so vLLM compiles it once, not once per layer (site ids as constants made
+    every layer's graph its own)."""
+    from vinterp.engine.site_modules import _add_sites
+    from vinterp.engine.site_ops import SiteCalls
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(_graph_form(gm))
+        return gm.forward
+
+    sites = (ORDER["layers.0.output"], ORDER["layers.1.output"])
+    steer_buffers = buffers()
+    capture = CaptureBuffers(
+        len(ORDER.sites), frozenset(sites), [*sites], 4, H, torch.float32, "cpu"
+    )
+    layers = [torch.nn.Linear(H, H) for _ in sites]
+    for layer, site in zip(layers, sites):
+        _add_sites(layer, steer_buffers, capture, SiteCalls(), "forward", {"output_id": site})
+    run = torch.compile(lambda layer, x: layer(x), backend=backend, fullgraph=True, dynamic=True)
+    x = torch.ones(3, H)
+    outputs = [run(layer, x) for layer in layers]
+    assert len(graphs) == 2 and graphs[0] == graphs[1]
+    planner = SteeringPlanner(steer_buffers, ORDER)  # steering one layer reaches that one only
+    spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
+    assert not planner.plan([request("a", range(3), 0, [spec])])
+    planner.write([("a", 0, 3)], 3)
+    assert torch.equal(run(layers[0], x), outputs[0])
+    assert torch.equal(run(layers[1], x), outputs[1] + 1.0)
 
 
 def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
@@ -144,9 +200,9 @@ def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
     assert not hasattr(bufs, f"rows_{unchosen}") and not hasattr(bufs, f"rows_{other_stage}")
 
     def model(x: torch.Tensor) -> torch.Tensor:
-        bufs(site, x)
-        bufs(stream, x, plus=2 * x)
-        bufs(unchosen, x)  # no buffer: nothing to gather
+        bufs(site, torch.tensor([site]), x)
+        bufs(stream, torch.tensor([stream]), x, plus=2 * x)
+        bufs(unchosen, torch.tensor([unchosen]), x)  # no buffer: nothing to gather
         return x + 1
 
     fn = torch.compile(model, backend=backend, fullgraph=True)
@@ -402,7 +458,7 @@ def test_decode_steps_follow_the_batch_as_it_changes() -> None:
         if step == 1:  # not copied again: the value planted after step 0 is still there
             assert int(state.buffers.token_combo[1]) == 7
             state.buffers.token_combo[1] = 0
-        out = state.buffers(ORDER[SITE], torch.zeros(len(order), H))
+        out = state.buffers(site_index(SITE), torch.zeros(len(order), H))
         assert out[:, 0].tolist() == [2.0 if r in steered_ids else 0.0 for r in order], step
         if step == 0:
             state.buffers.token_combo[1] = 7

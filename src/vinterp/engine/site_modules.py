@@ -63,36 +63,50 @@ class SiteIO:
     pattern_math: PatternMath | None = None
 
 
+# SiteIO fields that hold a site id the compiled ops index tables with
+_INDEXED_IDS = ("input_id", "output_id", "experts_id", "q_id", "k_id", "v_id")
+
+
+def _site(module: nn.Module, field: str) -> torch.Tensor:
+    """The site id in SiteIO `field`, as the module's one-element tensor buffer (`_add_sites`)."""
+    return getattr(module, f"vinterp_{field}")
+
+
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
     steer, capture = getattr(module, BUFFERS_NAME), getattr(module, CAPTURE_NAME)
     # the compiled model never reaches the handlers: it does not even look them up
     calls = None if torch.compiler.is_compiling() else module._vinterp_calls
     if io.stream:
         positions, hidden, residual = args
+        site_in = (io.input_id, _site(module, "input_id"))
         if residual is None:
-            hidden = plain_site(steer, capture, calls, io.input_id, hidden)
+            hidden = plain_site(steer, capture, calls, *site_in, hidden)
         else:
-            hidden, residual = stream_site(steer, capture, calls, io.input_id, hidden, residual)
+            hidden, residual = stream_site(steer, capture, calls, *site_in, hidden, residual)
         hidden, residual = inner(module, positions, hidden, residual, **kwargs)
-        return stream_site(steer, capture, calls, io.output_id, hidden, residual)
+        site_out = (io.output_id, _site(module, "output_id"))
+        return stream_site(steer, capture, calls, *site_out, hidden, residual)
     if io.q_id is not None:
         return _attention_with_sites(module, io, inner, args, kwargs, capture, calls)
     if io.input_id is not None:
+        site_in = (io.input_id, _site(module, "input_id"))
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
-            kwargs = {**kwargs, key: plain_site(steer, capture, calls, io.input_id, kwargs[key])}
+            kwargs = {**kwargs, key: plain_site(steer, capture, calls, *site_in, kwargs[key])}
         else:
-            args = (plain_site(steer, capture, calls, io.input_id, args[0]), *args[1:])
+            args = (plain_site(steer, capture, calls, *site_in, args[0]), *args[1:])
     out = inner(module, *args, **kwargs)
     if io.output_id is None:
         return out
     if io.experts_id is not None:
         logits = out[0] if isinstance(out, tuple) else out
-        logits = router_site(capture, calls, io.output_id, io.experts_id, io.top_k, logits)
+        sites = (_site(module, "output_id"), _site(module, "experts_id"))
+        logits = router_site(capture, calls, io.output_id, io.experts_id, sites, io.top_k, logits)
         return (logits, *out[1:]) if isinstance(out, tuple) else logits
+    site_out = (io.output_id, _site(module, "output_id"))
     if isinstance(out, tuple):
-        return (plain_site(steer, capture, calls, io.output_id, out[0]), *out[1:])
-    return plain_site(steer, capture, calls, io.output_id, out)
+        return (plain_site(steer, capture, calls, *site_out, out[0]), *out[1:])
+    return plain_site(steer, capture, calls, *site_out, out)
 
 
 def _attention_with_sites(
@@ -107,12 +121,13 @@ def _attention_with_sites(
     """vLLM's attention layer, called as `attn(q, k, v)` by every architecture's attention."""
     query, key, value, *rest = args
     shapes = _head_shapes(module)
-    query = head_site(capture, calls, io.q_id, query, *shapes["q"])
-    key = head_site(capture, calls, io.k_id, key, *shapes["k"])
-    value = head_site(capture, calls, io.v_id, value, *shapes["v"])
+    query = head_site(capture, calls, io.q_id, _site(module, "q_id"), query, *shapes["q"])
+    key = head_site(capture, calls, io.k_id, _site(module, "k_id"), key, *shapes["k"])
+    value = head_site(capture, calls, io.v_id, _site(module, "v_id"), value, *shapes["v"])
     pattern_site(calls, io.pattern_id, io.pattern_math, query, key, shapes["q"], shapes["k"])
     out = inner(module, query, key, value, *rest, **kwargs)
-    return head_site(capture, calls, io.output_id, out, *shapes["heads"])
+    site_out = _site(module, "output_id")
+    return head_site(capture, calls, io.output_id, site_out, out, *shapes["heads"])
 
 
 def _head_shapes(attention: nn.Module) -> dict[str, tuple[int, int]]:
@@ -159,6 +174,14 @@ def _add_sites(
         module.add_module(CAPTURE_NAME, capture)
     for key, value in io.items():
         setattr(module._vinterp_io, key, value)
+        if key in _INDEXED_IDS:
+            # a buffer, so that dynamo makes it an input of the graph: with the id as a Python
+            # int, each layer's graph would hold its own constants, and vLLM, which compiles a
+            # graph once for all layers whose graphs are alike, would compile every layer apart;
+            # one element, not 0-dim: indexing with a 0-dim tensor reads it as an int
+            device = steer.token_combo.device
+            site = torch.tensor([value], dtype=torch.long, device=device)
+            module.register_buffer(f"vinterp_{key}", site, persistent=False)
 
 
 def _passes_residual(layer: nn.Module) -> bool:

@@ -51,13 +51,15 @@ def plain_site(
     capture: CaptureBuffers | None,
     calls: SiteCalls | None,
     site_id: int,
+    site: torch.Tensor,
     x: torch.Tensor,
 ) -> torch.Tensor:
     """A (tokens, H) site: steering, capture into buffers, then (in uncompiled steps) the
-    Python handler."""
-    x = steer(site_id, x)
+    Python handler. `site` is `site_id` as the module's one-element tensor: the tensor ops index
+    with it, so that every layer's graph is one graph to compile."""
+    x = steer(site, x)
     if capture is not None:
-        capture(site_id, x)
+        capture(site_id, site, x)
     if _calling(calls):
         out = calls.site(site_id, x)  # type: ignore[union-attr]
         if out is not None:
@@ -70,14 +72,15 @@ def stream_site(
     capture: CaptureBuffers | None,
     calls: SiteCalls | None,
     site_id: int,
+    site: torch.Tensor,
     hidden: torch.Tensor,
     residual: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's residual stream as (hidden, residual), whose sum is the HF block output:
     steering goes into the residual part, norm-matched against the sum."""
-    residual = steer(site_id, residual, norm_of=hidden + residual)
+    residual = steer(site, residual, norm_of=hidden + residual)
     if capture is not None:
-        capture(site_id, hidden, plus=residual)
+        capture(site_id, site, hidden, plus=residual)
     if _calling(calls):
         out = calls.stream(site_id, hidden, residual)  # type: ignore[union-attr]
         if out is not None:
@@ -96,14 +99,16 @@ def router_site(
     calls: SiteCalls | None,
     logits_id: int,
     experts_id: int,
+    sites: tuple[torch.Tensor, torch.Tensor],
     top_k: int,
     logits: torch.Tensor,
 ) -> torch.Tensor:
     """A router's (tokens, experts) logits: captured, then (in uncompiled steps) the Python
     handler, which may replace them; the experts they pick are then captured and handed to the
-    handler (read-only). The compiled model computes those ids only for a capture buffer."""
+    handler (read-only). The compiled model computes those ids only for a capture buffer.
+    `sites`: the two site ids as the module's one-element tensors."""
     if capture is not None:
-        capture(logits_id, logits)
+        capture(logits_id, sites[0], logits)
     calling = _calling(calls)
     if calling:
         out = calls.site(logits_id, logits)  # type: ignore[union-attr]
@@ -112,7 +117,7 @@ def router_site(
     if calling or (capture is not None and capture.holds(experts_id)):
         experts = chosen_experts(logits, top_k)
         if capture is not None:
-            capture(experts_id, experts)
+            capture(experts_id, sites[1], experts)
         if calling:
             calls.site(experts_id, experts)  # type: ignore[union-attr]
     return logits
@@ -122,6 +127,7 @@ def head_site(
     capture: CaptureBuffers | None,
     calls: SiteCalls | None,
     site_id: int,
+    site: torch.Tensor,
     x: torch.Tensor,
     heads: int,
     head_dim: int,
@@ -131,7 +137,7 @@ def head_site(
     whose replacement goes on flat."""
     view = x.view(x.shape[0], heads, head_dim)
     if capture is not None:
-        capture(site_id, view)
+        capture(site_id, site, view)
     if _calling(calls):
         out = calls.site(site_id, view)  # type: ignore[union-attr]
         if out is not None:

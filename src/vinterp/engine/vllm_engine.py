@@ -41,7 +41,7 @@ from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 10
+SITES_LAYOUT_VERSION = 11
 
 log = logging.getLogger(__name__)
 

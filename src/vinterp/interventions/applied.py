@@ -32,12 +32,13 @@ class AppliedCounters(nn.Module):
             counts = torch.zeros(num_sites, dtype=torch.int64, device=device)
             self.register_buffer(name, counts, persistent=False)
 
-    def count_steered(self, site_id: int, rows: torch.Tensor) -> None:
-        """`rows`: each token's steering-table row at the site (0: none)."""
-        self.steered[site_id] += (rows != 0).sum()
+    def count_steered(self, site: torch.Tensor, rows: torch.Tensor) -> None:
+        """`site`: the site id (one-element tensor); `rows`: each token's steering-table row at the
+        site (0: none)."""
+        self.steered.index_add_(0, site, (rows != 0).sum().view(1))
 
-    def count_gather(self, site_id: int) -> None:
-        self.gathered[site_id] += 1
+    def count_gather(self, site: torch.Tensor) -> None:
+        self.gathered.index_add_(0, site, torch.ones_like(self.gathered[:1]))
 
     def reset(self) -> None:
         self.steered.zero_()

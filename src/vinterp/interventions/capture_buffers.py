@@ -132,21 +132,28 @@ class CaptureBuffers(nn.Module):
         """Whether `site_id` has a buffer on this worker."""
         return site_id in self.site_ids
 
-    def forward(self, site_id: int, x: torch.Tensor, plus: torch.Tensor | None = None) -> None:
+    def forward(
+        self,
+        site_id: int,
+        site: torch.Tensor,
+        x: torch.Tensor,
+        plus: torch.Tensor | None = None,
+    ) -> None:
         """Gather this step's rows of `x` (+ `plus`: the residual stream's other part) at
-        `site_id`. A site without a buffer, and an uncompiled step that does not capture this
-        way, skip it."""
+        `site_id` (`site`: the same id as a one-element tensor, which the graph indexes with, so
+        that it is the same graph at every layer). A site without a buffer, and an uncompiled
+        step that does not capture this way, skip it."""
         if site_id not in self.site_ids:
             return
         if not torch.compiler.is_compiling() and not self.active:
             return
-        index = self.index[site_id]
+        index = self.index.index_select(0, site)[0]
         rows = x.index_select(0, index)
         if plus is not None:
             rows = rows + plus.index_select(0, index)
         getattr(self, f"rows_{site_id}").copy_(rows)
         if self.counters is not None:
-            self.counters.count_gather(site_id)
+            self.counters.count_gather(site)
 
     def write(self, tables: dict[int, SiteCapture]) -> None:
         """Set `index` for a step: each site's recorded rows by site id (none: all rows 0, so

@@ -71,17 +71,19 @@ class SteerBuffers(nn.Module):
         return SteerTables(self.token_combo, self.site_rows, self.add, self.unit)
 
     def forward(
-        self, site_id: int, x: torch.Tensor, norm_of: torch.Tensor | None = None
+        self, site: torch.Tensor, x: torch.Tensor, norm_of: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x plus this step's steering at `site_id`; `norm_of` is the tensor whose row norms
-        scale norm-matched vectors (the residual stream when x is one of its two parts).
-        An uncompiled step with no steering skips the ops (Python may decide there)."""
+        """x plus this step's steering at `site` (the site id as a one-element tensor: a graph
+        input, not a constant, so every layer's compiled graph is the same one); `norm_of` is
+        the tensor whose row norms scale norm-matched vectors (the residual stream when x is
+        one of its two parts). An uncompiled step with no steering skips the ops (Python may
+        decide there)."""
         if not torch.compiler.is_compiling() and not self.active:
             return x
         t = self.tables()
-        rows = t.site_rows[t.token_combo[: x.shape[0]], site_id]
+        rows = t.site_rows[t.token_combo[: x.shape[0]], site]
         if self.counters is not None:
-            self.counters.count_steered(site_id, rows)
+            self.counters.count_steered(site, rows)
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
         delta = t.add[rows].float() + norm * t.unit[rows].float()
