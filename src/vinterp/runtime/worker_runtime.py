@@ -49,6 +49,8 @@ from vinterp.wire.json_form import payload_from_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
+RequestCapture = tuple[str, RowSpan, WorkerCapture]  # a capturing request's id, rows and spec
+
 
 @dataclass
 class Scheduled:
@@ -150,7 +152,7 @@ class WorkerRuntime:
         # (trace, invoke) -> pattern site -> the invoke's keys at that layer so far
         self.keys: dict[tuple[str, int], dict[str, KeptKeys]] = {}
         # pattern site -> this step's requests capturing it whose prompt is not all computed
-        self.pattern_captures: dict[str, list[tuple[str, RowSpan, WorkerCapture]]] = {}
+        self.pattern_captures: dict[str, list[RequestCapture]] = {}
         self.capture_keys: dict[str, dict[str, KeptKeys]] = {}  # request -> site -> keys
         self.num_tokens = 0
         # watched: live requests looked at for captures or traces, summed over steps
@@ -366,10 +368,10 @@ class WorkerRuntime:
         self.slots, self.wanted, self.keeping, self.num_tokens = [], {}, {}, num_tokens
         capturing = self.python_step or self.graph_capture_step
         captures = self._captures(layout) if capturing else []
-        self.interventions.begin_capture_step(captures)
-        self.pattern_captures = self._pattern_captures(layout) if self.python_step else {}
+        self.interventions.begin_capture_step([(span, c) for _, span, c in captures])
+        self.pattern_captures = _pattern_captures(captures) if self.python_step else {}
         if self.sharded:  # known on every rank, unlike the capture tables of the shipping one
-            self.captured_sites = frozenset(site for _, c in captures for site in c.sites)
+            self.captured_sites = frozenset(site for _, _, c in captures for site in c.sites)
         if self.capture_buffers is not None:  # also empties the index after a capturing step
             tables = self.interventions.capture_tables if self.graph_capture_step else {}
             self.capture_buffers.write({self.order[s]: t for s, t in tables.items()})
@@ -386,31 +388,15 @@ class WorkerRuntime:
             for site in slot.run.patterns_by_invoke.get(slot.invoke, ()):
                 self.keeping.setdefault(site, []).append(slot)
 
-    def _captures(self, layout: list[tuple[str, int, int]]) -> list[tuple[RowSpan, WorkerCapture]]:
-        """This step's capturing requests: their rows and capture specs."""
+    def _captures(self, layout: list[tuple[str, int, int]]) -> list[RequestCapture]:
+        """This step's capturing requests: their ids, rows and capture specs."""
         captures = []
         for req_id, start, end in layout:
             req = self.requests.get(req_id)
             if req is not None and req.capture is not None:
                 span = RowSpan(start, end, req.num_computed, req.prompt_len)
-                captures.append((span, req.capture))
+                captures.append((req_id, span, req.capture))
         return captures
-
-    def _pattern_captures(
-        self, layout: list[tuple[str, int, int]]
-    ) -> dict[str, list[tuple[str, RowSpan, WorkerCapture]]]:
-        """The requests of this step that capture attention patterns and compute prompt tokens
-        in it (they keep their keys until the last prompt token's row is captured)."""
-        found: dict[str, list[tuple[str, RowSpan, WorkerCapture]]] = {}
-        for req_id, start, end in layout:
-            req = self.requests.get(req_id)
-            capture = None if req is None else req.capture
-            if capture is None or not capture.patterns or req.num_computed >= req.prompt_len:
-                continue
-            span = RowSpan(start, end, req.num_computed, req.prompt_len)
-            for site in capture.patterns:
-                found.setdefault(site, []).append((req_id, span, capture))
-        return found
 
     def end_step(self) -> None:
         """After the forward is queued: keep what the capture buffers gathered; with the
@@ -584,6 +570,19 @@ class KeptKeys:
         self.buffer[first:end] = own
         self.length = end
         return self.buffer[:end]
+
+
+def _pattern_captures(
+    captures: list[RequestCapture],
+) -> dict[str, list[RequestCapture]]:
+    """Per pattern site, the capturing requests that compute prompt tokens in this step (they
+    keep their keys until the last prompt token's row is captured)."""
+    found: dict[str, list[RequestCapture]] = {}
+    for req_id, span, capture in captures:
+        if capture.patterns and span.first_position < span.prompt_len:
+            for site in capture.patterns:
+                found.setdefault(site, []).append((req_id, span, capture))
+    return found
 
 
 def _kept_pattern(
