@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from vinterp.bench.served import Server, running
 from vinterp.models import bundled
 
@@ -16,8 +18,10 @@ KEY = "test-key"
 def served(
     *flags: str, env: dict[str, str] | None = None, model: str | Path | None = None
 ) -> Iterator[Server]:
-    """`vinterp serve --enforce-eager --api-key KEY *flags` (eager: the server's own
-    compilation of the model takes ~9 minutes on two cores), stopped at the block's end."""
+    """`vinterp serve --api-key KEY *flags`, stopped at the block's end. Without a CUDA GPU
+    with `--enforce-eager`: the server's own compilation of the model takes ~9 minutes on two
+    cores; on a GPU compiled, with CUDA graphs, as researchers serve it."""
     model = str(model or bundled())
-    with running(False, model, KEY, ["--enforce-eager", *flags], env) as server:
+    eager = [] if torch.cuda.device_count() else ["--enforce-eager"]
+    with running(False, model, KEY, [*eager, *flags], env) as server:
         yield server

@@ -33,6 +33,8 @@ Environment:
   VLLM_USE_V2_MODEL_RUNNER=0  vLLM's V1 GPU runner instead of its default V2 one
   VINTERP_GPU_DTYPE=float32 every engine in float32 (default bfloat16); the relative
                             tolerance of captures, saves and logits is then 1e-4
+  VINTERP_GPU_MEMORY=0.4    every engine's gpu_memory_utilization (vLLM's default else):
+                            lower it to share the cards with another run
 
 bf16 tolerances (the default dtype): captures, trace saves and logits within 2e-2 relative
 error (captures taken inside the compiled graphs, `capture_in_graph`: 1e-1, compiled-vs-eager
@@ -72,6 +74,12 @@ PROMPTS = [
     "The capital of Italy is",
 ]
 N = len(PROMPTS)
+# every engine's share of its cards, where told (another run may hold the rest)
+SHARE = (
+    {"gpu_memory_utilization": float(os.environ["VINTERP_GPU_MEMORY"])}
+    if os.environ.get("VINTERP_GPU_MEMORY")
+    else {}
+)
 REL_TOL = 1e-4 if DTYPE == "float32" else 2e-2  # captures, saves and logits
 MIN_EQUAL = 7  # of 8 prompts' greedy tokens
 # A random Llama of ~1B parameters (head size 64) with the tiny models' vocab and tokenizer.
@@ -99,6 +107,7 @@ class Gpu:
     REL_TOL = REL_TOL
     MIN_EQUAL = MIN_EQUAL
     DTYPE = DTYPE
+    SHARE = SHARE
 
     @staticmethod
     def equal(a: list[Any], b: list[Any]) -> int:
@@ -136,7 +145,7 @@ class Gpu:
         """Start vinterp.LLM in bf16, return fn(llm), shut it down and free GPU memory."""
         import vinterp
 
-        llm = vinterp.LLM(model, dtype=DTYPE, **engine_kwargs)
+        llm = vinterp.LLM(model, dtype=DTYPE, **{**SHARE, **engine_kwargs})
         try:
             return fn(llm)
         finally:

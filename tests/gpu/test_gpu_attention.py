@@ -53,7 +53,7 @@ def hf_model(path: Any) -> Any:
 @pytest.mark.parametrize("arch", PATTERN_MODELS)
 def test_attention_pattern_equals_eager_attention(engines, gpu, arch, backend) -> None:
     path = vinterp.models.tiny(arch, **PATTERN_MODELS[arch])
-    llm = engines.vllm(path, attention_backend=backend, **ENGINE)
+    llm = engines.vllm(path, attention_backend=backend, **ENGINE, **gpu.SHARE)
     layers = [0, len(llm.layers) - 1]
     saved: dict[str, Any] = {}
     with llm.trace(PROMPT, max_tokens=3, ignore_eos=True) as tr:
@@ -78,7 +78,7 @@ def test_attention_pattern_equals_eager_attention(engines, gpu, arch, backend) -
 @pytest.mark.parametrize("arch", MIXTURES_OF_EXPERTS)
 def test_routers_equal_transformers_and_their_in_graph_captures(engines, gpu, arch) -> None:
     path = vinterp.models.tiny(arch)
-    llm = engines.vllm(path, capture_in_graph=[ROUTERS], **ENGINE)
+    llm = engines.vllm(path, capture_in_graph=[ROUTERS], **ENGINE, **gpu.SHARE)
     with llm.trace(PROMPT, max_tokens=1):
         logits = llm.layers[1].mlp.router.output.save()
         experts = llm.layers[1].mlp.router.experts.save()

@@ -177,7 +177,7 @@ def plain_tokens(model: Path, gpu: Any, **engine_kwargs: Any) -> list[list[int]]
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=False,
         seed=0,
-        **engine_kwargs,
+        **{**gpu.SHARE, **engine_kwargs},
     )
     try:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]

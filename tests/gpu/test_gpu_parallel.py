@@ -110,7 +110,7 @@ def plain_run(model: Path, gpu: Any, **layout: Any) -> dict[str, Any]:
     from vinterp.bench.workloads import plain_vllm
 
     params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
-    with plain_vllm(model, gpu.DTYPE, **layout) as llm:
+    with plain_vllm(model, gpu.DTYPE, **{**gpu.SHARE, **layout}) as llm:
         outs = [o.outputs[0] for o in llm.generate(gpu.PROMPTS, params, use_tqdm=False)]
     return {
         "tokens": [list(o.token_ids) for o in outs],
