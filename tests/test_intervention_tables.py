@@ -490,3 +490,54 @@ def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
     same = [request(r, range(4, 5), 2, [decoded(wire(v))]) for r in "abc"]
     state.plan(same)
     assert state.plan_ is not None and len(state.plan_.key) == 2  # none, and the one spec
+
+
+def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeypatch) -> None:
+    """vLLM's fused mixture-of-experts op is opaque to torch.compile and calls the router's
+    gate inside it, so the router site runs eagerly, also while a CUDA graph records the step
+    (when nothing is captured or steered): its gathers and steering must be recorded then, or
+    every replay skips them. The capture is simulated here (the CPU has no CUDA graphs)."""
+    from vinterp.engine.site_modules import _add_sites
+    from vinterp.engine.site_ops import SiteCalls
+    from vinterp.interventions import recording
+
+    experts, top_k = 6, 2
+    order = SiteOrder(2, Router((1,), experts, top_k))
+    logits_id, experts_id = (order[f"layers.1.mlp.router.{s}"] for s in ("output", "experts"))
+    shapes = {logits_id: ((experts,), torch.float32), experts_id: ((top_k,), torch.long)}
+    sites = [logits_id, experts_id]
+    capture = CaptureBuffers(
+        len(order.sites), frozenset(sites), sites, 4, H, torch.float32, "cpu", row_shapes=shapes
+    )
+    steer = SteerBuffers(len(order.sites), H, 16, 8, 8, torch.float32, "cpu")
+    called = []
+    calls = SiteCalls(site=lambda site_id, x: called.append(site_id), active=True)
+    gate = torch.nn.Linear(H, experts, bias=False)
+    io = {"output_id": logits_id, "experts_id": experts_id, "top_k": top_k}
+    _add_sites(gate, steer, capture, calls, "forward", io)
+    planner = SteeringPlanner(steer, order)
+    spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
+    assert not planner.plan([request("a", range(3), 0, [spec])])
+    planner.write([("a", 0, 3)], 3)
+    layer = torch.tensor([order["layers.1.output"]])
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
+    capture.write({site_id: SiteCapture(torch.tensor([2, 0]), []) for site_id in sites})
+    capture.active = steer.active = False  # the engine's state while vLLM captures its graphs
+
+    monkeypatch.setattr(recording, "_cuda_graphs_possible", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with torch.no_grad():
+        logits = gate(x)
+        steered = steer(layer, x)
+    assert torch.equal(capture.gathered(logits_id, 2), logits[[2, 0]])
+    picked = torch.topk(logits[[2, 0]].softmax(-1), top_k).indices
+    assert torch.equal(capture.gathered(experts_id, 2).sort(-1).values, picked.sort(-1).values)
+    assert torch.equal(steered, x + 1.0)
+    assert called == []  # Python handlers are never recorded into a graph
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    capture.write({})
+    with torch.no_grad():  # an eager step that captures and steers nothing skips the ops
+        gate(x + 1)
+        assert torch.equal(steer(layer, x), x)
+    assert torch.equal(capture.gathered(logits_id, 2), logits[[2, 0]])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.recording import ops_recorded
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.attention_pattern import PatternMath
 
@@ -43,7 +44,7 @@ class SiteCalls:
 
 
 def _calling(calls: SiteCalls | None) -> bool:
-    return not torch.compiler.is_compiling() and calls is not None and calls.active
+    return not ops_recorded() and calls is not None and calls.active
 
 
 def plain_site(

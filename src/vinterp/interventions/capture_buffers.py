@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
+from vinterp.interventions.recording import ops_recorded
 from vinterp.interventions.tables import SiteCapture
 from vinterp.interventions.uploads import upload
 from vinterp.sites.names import (
@@ -142,10 +143,10 @@ class CaptureBuffers(nn.Module):
         """Gather this step's rows of `x` (+ `plus`: the residual stream's other part) at
         `site_id` (`site`: the same id as a one-element tensor, which the graph indexes with, so
         that it is the same graph at every layer). A site without a buffer, and an uncompiled
-        step that does not capture this way, skip it."""
+        step that does not capture this way, skip it (never while a graph records)."""
         if site_id not in self.site_ids:
             return
-        if not torch.compiler.is_compiling() and not self.active:
+        if not ops_recorded() and not self.active:
             return
         index = self.index.index_select(0, site)[0]
         rows = x.index_select(0, index)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
+from vinterp.interventions.recording import ops_recorded
 
 
 @dataclass
@@ -65,8 +66,8 @@ class SteerBuffers(nn.Module):
         self.active = False  # whether any token is steered this step
 
     def tables(self) -> SteerTables:
-        """The tables this step reads; under torch.compile always the persistent buffers."""
-        if not torch.compiler.is_compiling() and self.overflow is not None:
+        """The tables this step reads; in a recorded graph always the persistent buffers."""
+        if not ops_recorded() and self.overflow is not None:
             return self.overflow
         return SteerTables(self.token_combo, self.site_rows, self.add, self.unit)
 
@@ -77,8 +78,8 @@ class SteerBuffers(nn.Module):
         input, not a constant, so every layer's compiled graph is the same one); `norm_of` is
         the tensor whose row norms scale norm-matched vectors (the residual stream when x is
         one of its two parts). An uncompiled step with no steering skips the ops (Python may
-        decide there)."""
-        if not torch.compiler.is_compiling() and not self.active:
+        decide there, but never while a graph records: `ops_recorded`)."""
+        if not ops_recorded() and not self.active:
             return x
         t = self.tables()
         rows = t.site_rows[t.token_combo[: x.shape[0]], site]
