@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from vinterp.api.extract import BUFFER_GB
 from vinterp.bench import serve_load
 from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         "--skip-first", type=int, default=0, help="drop the first K positions (e.g. BOS)"
     )
     extract.add_argument(
-        "--buffer-gb", type=float, default=2.0, help="host memory for shards in flight"
+        "--buffer-gb", type=float, default=BUFFER_GB, help="host memory for shards in flight"
     )
     extract.add_argument(
         "--max-model-len", type=int, default=None, help="the engine's context (vLLM's option)"

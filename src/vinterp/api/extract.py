@@ -53,6 +53,7 @@ from vinterp.store import (
 )
 from vinterp.wire.specs import Capture, RequestSpecs
 
+BUFFER_GB = 2.0  # host memory for the shards in flight, unless told
 # Shards of host memory in hand at once: each the writer holds (`WRITER_THREADS` being
 # written, one queued), as captured rows and as columns where these are copies of them.
 SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + 1)
@@ -89,20 +90,31 @@ def extract(
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
     source = prompt_source(prompts, column)
     spec = extraction_spec(llm, limits, source, sites, positions, skip_first, dtype)
+    columns = store_columns(sites, dtype, spec["hidden_size"])
+    about = {"prompts": source.description, "columns": {k: v[0] for k, v in columns.items()}}
+    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
+    size = shard_bytes(columns, buffer_gb)
+    store = ActivationStore.open(out, spec, columns, size, about, shard_tokens)
+    if not store.manifest.complete:
+        queued = QUEUED_STEPS * (limits.step_tokens or 1)
+        run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
+    return datasets.load_from_disk(str(out))
+
+
+def store_columns(sites: list[str], dtype: str, hidden_size: int) -> Columns:
+    """The dataset's columns: each row's prompt index, position and token id, then one
+    fixed-size column per site in the stored `dtype`."""
     columns: Columns = {
         "prompt": ("int64", None),
         "position": ("int32", None),
         "token": ("int32", None),
     }
-    columns |= {site: (COLUMN_DTYPE[dtype], spec["hidden_size"]) for site in sites}
-    about = {"prompts": source.description, "columns": {k: v[0] for k, v in columns.items()}}
-    shard_bytes = max(int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT, row_size(columns))
-    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
-    store = ActivationStore.open(out, spec, columns, shard_bytes, about, shard_tokens)
-    if not store.manifest.complete:
-        queued = QUEUED_STEPS * (limits.step_tokens or 1)
-        run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
-    return datasets.load_from_disk(str(out))
+    return columns | {site: (COLUMN_DTYPE[dtype], hidden_size) for site in sites}
+
+
+def shard_bytes(columns: Columns, buffer_gb: float) -> int:
+    """A shard's size: the host-memory buffer shared by the shards in flight (a row at least)."""
+    return max(int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT, row_size(columns))
 
 
 def engine_settings(

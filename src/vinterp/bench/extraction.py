@@ -3,7 +3,8 @@ Face `datasets` directory on disk, timed against plain vLLM's prefill of the sam
 (`vllm.LLM.generate(prompts, SamplingParams(max_tokens=1))`) in the same run; and the same
 extraction with HF transformers and forward hooks into host memory, against the same
 prefill time. One engine is alive at a time; the HF model loads after the last engine is
-shut down."""
+shut down. Each extraction row also says how long the store alone takes to write as many
+rows to the same disk (no engine): an extraction can be no faster than that or the prefill."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from vinterp.api.extract import engine_settings
+from vinterp.api.extract import BUFFER_GB, engine_settings, shard_bytes, store_columns
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -39,6 +41,7 @@ from vinterp.bench.workloads import (
     plain_vllm,
     vinterp_engine,
 )
+from vinterp.store import ActivationStore, Columns, PendingShard, ShardWriter, row_size
 
 KEYS = EXTRACTION
 PROMPT_TOKENS = 256  # `vinterp bench --prompt-tokens`
@@ -175,10 +178,19 @@ def run(
     with scratch(extract_dir) as root:
         plain = plain_prefill(model, dtype, texts, repeats, **engine_kwargs)
         times: dict[str, Timing] = {}
+        hidden = int(config.hidden_size)
         for x in ours:
-            timing, written = time_extract(model, dtype, texts, x, repeats, root, **engine_kwargs)
+            timing, written, count = time_extract(
+                model, dtype, texts, x, repeats, root, **engine_kwargs
+            )
             times[x.key] = timing
-            extras = {"gb_written": written / GB, "gb_per_s": written / GB / timing.median}
+            columns = store_columns([f"layers.{i}.output" for i in x.layers], dtype, hidden)
+            alone = time_store_alone(root, columns, count, repeats)
+            extras = {
+                "gb_written": written / GB,
+                "gb_per_s": written / GB / timing.median,
+                "store_alone_s": alone.median,
+            }
             rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
             progress(x.key)
     if EXTRACT_HF in selected:
@@ -217,11 +229,12 @@ def time_extract(
     repeats: int,
     root: Path,
     **engine_kwargs: Any,
-) -> tuple[Timing, int]:
+) -> tuple[Timing, int, int]:
     """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
     sites, each run into a fresh directory under `root` that is deleted after the run (not
-    timed); and the bytes of site values one run wrote."""
+    timed); the bytes of site values one run wrote, and its rows."""
     written: list[int] = []
+    count: list[int] = []
     runs: list[Path] = []
     kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
     with vinterp_engine(model, dtype, **kwargs) as llm:
@@ -231,13 +244,46 @@ def time_extract(
             out = runs[-1] / "acts"
             dataset = llm.extract(prompts, x.sites, x.positions, out=out, use_tqdm=False)
             written.append(payload_bytes(dataset, x.sites))
+            count.append(dataset.num_rows)
 
         def remove() -> None:
             shutil.rmtree(runs.pop(), ignore_errors=True)
 
         warm = {x.key: partial(extract, warm_up(texts))}
         timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
-    return timing, written[-1]
+    return timing, written[-1], count[-1]
+
+
+def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> Timing:
+    """Times of the store writing `rows` rows of `columns` into a fresh directory under
+    `root` (deleted after each run, not timed) at `llm.extract`'s shard size, on its writer
+    threads, from one shard of random values made beforehand: the disk's and Arrow's share
+    of an extraction, with no engine."""
+    size = shard_bytes(columns, BUFFER_GB)
+    per_shard = max(size // row_size(columns), 1)
+    random = np.random.default_rng(0)
+    block = {}
+    for name, (dtype, width) in columns.items():
+        shape = (per_shard, width) if width else (per_shard,)
+        count = int(np.prod(shape))
+        block[name] = np.frombuffer(random.bytes(count * np.dtype(dtype).itemsize), dtype)
+        block[name] = block[name].reshape(shape)
+    runs: list[Path] = []
+
+    def write(rows: int = rows) -> None:
+        runs.append(Path(tempfile.mkdtemp(prefix="store-", dir=root)))
+        store = ActivationStore.open(runs[-1], {"bench": "store alone"}, columns, size)
+        with ShardWriter(store) as writer:
+            for index, start in enumerate(range(0, rows, per_shard)):
+                n = min(per_shard, rows - start)
+                shard = {name: values[:n] for name, values in block.items()}
+                writer.put(PendingShard(index, index + 1, partial(dict, shard)))
+
+    def remove() -> None:
+        shutil.rmtree(runs.pop(), ignore_errors=True)
+
+    warm = {"store": partial(write, min(rows, per_shard))}
+    return timed_interleaved({"store": write}, repeats, {"store": remove}, warm)["store"]
 
 
 def hf_rows(

@@ -76,6 +76,7 @@ def _percent(value: float) -> str:
 EXTRAS: dict[str, str | None] = {
     "gb_written": "{:.3g} GB written",
     "gb_per_s": "{:.3g} GB/s",
+    "store_alone_s": "the store alone writes them in {:.3g} s",
     "gb_collected": "{:.3g} GB collected",
     "hf_batch": None,
     "vinterp_throughput_x_hf": "vinterp's throughput {:.2f}x HF's",
