@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vinterp.engine.site_ops import (
+    Site,
     SiteCalls,
     head_site,
     pattern_site,
@@ -67,9 +68,9 @@ class SiteIO:
 _INDEXED_IDS = ("input_id", "output_id", "experts_id", "q_id", "k_id", "v_id")
 
 
-def _site(module: nn.Module, field: str) -> torch.Tensor:
-    """The site id in SiteIO `field`, as the module's one-element tensor buffer (`_add_sites`)."""
-    return getattr(module, f"vinterp_{field}")
+def _site(module: nn.Module, field: str) -> Site:
+    """The site id in SiteIO `field`, with the module's one-element buffer of it (`_add_sites`)."""
+    return getattr(module._vinterp_io, field), getattr(module, f"vinterp_{field}")
 
 
 def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwargs: Any) -> Any:
@@ -78,18 +79,17 @@ def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwarg
     calls = None if torch.compiler.is_compiling() else module._vinterp_calls
     if io.stream:
         positions, hidden, residual = args
-        site_in = (io.input_id, _site(module, "input_id"))
+        site_in = _site(module, "input_id")
         if residual is None:
             hidden = plain_site(steer, capture, calls, *site_in, hidden)
         else:
             hidden, residual = stream_site(steer, capture, calls, *site_in, hidden, residual)
         hidden, residual = inner(module, positions, hidden, residual, **kwargs)
-        site_out = (io.output_id, _site(module, "output_id"))
-        return stream_site(steer, capture, calls, *site_out, hidden, residual)
+        return stream_site(steer, capture, calls, *_site(module, "output_id"), hidden, residual)
     if io.q_id is not None:
         return _attention_with_sites(module, io, inner, args, kwargs, capture, calls)
     if io.input_id is not None:
-        site_in = (io.input_id, _site(module, "input_id"))
+        site_in = _site(module, "input_id")
         key = next((k for k in _HIDDEN_KWARGS if k in kwargs), None)
         if key is not None:
             kwargs = {**kwargs, key: plain_site(steer, capture, calls, *site_in, kwargs[key])}
@@ -101,9 +101,9 @@ def _call_with_sites(module: nn.Module, io: SiteIO, inner: Any, args: Any, kwarg
     if io.experts_id is not None:
         logits = out[0] if isinstance(out, tuple) else out
         sites = (_site(module, "output_id"), _site(module, "experts_id"))
-        logits = router_site(capture, calls, io.output_id, io.experts_id, sites, io.top_k, logits)
+        logits = router_site(capture, calls, *sites, io.top_k, logits)
         return (logits, *out[1:]) if isinstance(out, tuple) else logits
-    site_out = (io.output_id, _site(module, "output_id"))
+    site_out = _site(module, "output_id")
     if isinstance(out, tuple):
         return (plain_site(steer, capture, calls, *site_out, out[0]), *out[1:])
     return plain_site(steer, capture, calls, *site_out, out)
@@ -121,13 +121,12 @@ def _attention_with_sites(
     """vLLM's attention layer, called as `attn(q, k, v)` by every architecture's attention."""
     query, key, value, *rest = args
     shapes = _head_shapes(module)
-    query = head_site(capture, calls, io.q_id, _site(module, "q_id"), query, *shapes["q"])
-    key = head_site(capture, calls, io.k_id, _site(module, "k_id"), key, *shapes["k"])
-    value = head_site(capture, calls, io.v_id, _site(module, "v_id"), value, *shapes["v"])
+    query = head_site(capture, calls, *_site(module, "q_id"), query, *shapes["q"])
+    key = head_site(capture, calls, *_site(module, "k_id"), key, *shapes["k"])
+    value = head_site(capture, calls, *_site(module, "v_id"), value, *shapes["v"])
     pattern_site(calls, io.pattern_id, io.pattern_math, query, key, shapes["q"], shapes["k"])
     out = inner(module, query, key, value, *rest, **kwargs)
-    site_out = _site(module, "output_id")
-    return head_site(capture, calls, io.output_id, site_out, out, *shapes["heads"])
+    return head_site(capture, calls, *_site(module, "output_id"), out, *shapes["heads"])
 
 
 def _head_shapes(attention: nn.Module) -> dict[str, tuple[int, int]]:

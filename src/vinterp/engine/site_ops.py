@@ -25,6 +25,9 @@ from vinterp.interventions.recording import ops_recorded
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.attention_pattern import PatternMath
 
+# A site's id as an int (what Python decides with) and as its module's one-element buffer
+# (what the compiled graph indexes with: an input, so every layer's graph is the same one)
+Site = tuple[int, torch.Tensor]
 SiteHandler = Callable[[int, torch.Tensor], torch.Tensor | None]
 StreamHandler = Callable[
     [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None
@@ -98,18 +101,17 @@ def chosen_experts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def router_site(
     capture: CaptureBuffers | None,
     calls: SiteCalls | None,
-    logits_id: int,
-    experts_id: int,
-    sites: tuple[torch.Tensor, torch.Tensor],
+    logits_site: Site,
+    experts_site: Site,
     top_k: int,
     logits: torch.Tensor,
 ) -> torch.Tensor:
     """A router's (tokens, experts) logits: captured, then (in uncompiled steps) the Python
     handler, which may replace them; the experts they pick are then captured and handed to the
-    handler (read-only). The compiled model computes those ids only for a capture buffer.
-    `sites`: the two site ids as the module's one-element tensors."""
+    handler (read-only). The compiled model computes those ids only for a capture buffer."""
+    logits_id, experts_id = logits_site[0], experts_site[0]
     if capture is not None:
-        capture(logits_id, sites[0], logits)
+        capture(*logits_site, logits)
     calling = _calling(calls)
     if calling:
         out = calls.site(logits_id, logits)  # type: ignore[union-attr]
@@ -118,7 +120,7 @@ def router_site(
     if calling or (capture is not None and capture.holds(experts_id)):
         experts = chosen_experts(logits, top_k)
         if capture is not None:
-            capture(experts_id, sites[1], experts)
+            capture(*experts_site, experts)
         if calling:
             calls.site(experts_id, experts)  # type: ignore[union-attr]
     return logits
