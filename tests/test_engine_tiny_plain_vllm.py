@@ -9,21 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sample_prompts import PROMPTS
 
 from vinterp.bench.workloads import plain_vllm, vinterp_engine
 
 pytestmark = pytest.mark.engine("tiny_plain_vllm")
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time there was",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Researchers read the residual stream to",
-    "Numbers 0 1 2 3 4 5",
-    "A good recipe for bread needs",
-    "The capital of Italy is",
-]
 TOKENS = 32
 
 

@@ -61,18 +61,9 @@ from typing import Any
 
 import pytest
 import torch
+from sample_prompts import PROMPTS
 
 DTYPE = os.environ.get("VINTERP_GPU_DTYPE", "bfloat16")
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time there was",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Researchers read the residual stream to",
-    "Numbers 0 1 2 3 4 5",
-    "A good recipe for bread needs",
-    "The capital of Italy is",
-]
 N = len(PROMPTS)
 # every engine's share of its cards, where told (another run may hold the rest)
 SHARE = (
