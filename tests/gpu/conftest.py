@@ -35,6 +35,13 @@ Environment:
                             tolerance of captures, saves and logits is then 1e-4
   VINTERP_GPU_MEMORY=0.4    every engine's gpu_memory_utilization (vLLM's default else):
                             lower it to share the cards with another run
+  VINTERP_GPU_REHEARSAL=1   run the modules on the CPU engine (no GPU needed; the parallel
+                            one with VINTERP_GPU_PARALLEL_MODEL=tiny): the tests' own code
+                            runs end to end before device time is spent on it. Numbers
+                            differ from a GPU's; a failure that is not a tolerance is a bug
+                            in the test or in vinterp
+  VINTERP_GPU_OUT also receives failures.txt: each failing test's report as it fails (a run
+  cut short by a call's time limit still says why)
 
 bf16 tolerances (the default dtype): captures, trace saves and logits within 2e-2 relative
 error (captures taken inside the compiled graphs, `capture_in_graph`: 1e-1, compiled-vs-eager
@@ -64,6 +71,8 @@ import torch
 from sample_prompts import PROMPTS
 
 DTYPE = os.environ.get("VINTERP_GPU_DTYPE", "bfloat16")
+REHEARSAL = os.environ.get("VINTERP_GPU_REHEARSAL", "") not in ("", "0")
+DEVICE = "cpu" if REHEARSAL else "cuda"  # where the transformers references run
 N = len(PROMPTS)
 # every engine's share of its cards, where told (another run may hold the rest)
 SHARE = (
@@ -90,6 +99,28 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpus(n): the module needs n CUDA GPUs (skipped without, unless rehearsing)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    mark = item.get_closest_marker("gpus")
+    if mark and gpus() < mark.args[0] and not REHEARSAL:
+        pytest.skip(f"needs {mark.args[0]} CUDA GPU(s); VINTERP_GPU_REHEARSAL=1 runs it on the CPU")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failing test's report goes to $VINTERP_GPU_OUT/failures.txt at once."""
+    out = os.environ.get("VINTERP_GPU_OUT")
+    if out and report.failed:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "failures.txt", "a") as file:
+            file.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 class Gpu:
     """What both modules share: the prompts and tolerances, the comparisons, the models."""
 
@@ -99,6 +130,8 @@ class Gpu:
     MIN_EQUAL = MIN_EQUAL
     DTYPE = DTYPE
     SHARE = SHARE
+    DEVICE = DEVICE
+    REHEARSAL = REHEARSAL
 
     @staticmethod
     def equal(a: list[Any], b: list[Any]) -> int:

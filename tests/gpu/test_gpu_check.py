@@ -23,7 +23,7 @@ import vinterp
 
 pytestmark = [
     pytest.mark.engine("gpu_check"),
-    pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU"),
+    pytest.mark.gpus(1),
 ]
 
 MODEL_ENV, DEFAULT_MODEL = "VINTERP_GPU_MODEL", "bundled"

@@ -19,7 +19,7 @@ from vinterp.store import site_tensor
 
 pytestmark = [
     pytest.mark.engine("gpu_extract"),
-    pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU"),
+    pytest.mark.gpus(1),
 ]
 
 MODEL_ENV, DEFAULT_MODEL = "VINTERP_GPU_MODEL", "bundled"

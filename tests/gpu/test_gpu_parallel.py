@@ -34,7 +34,7 @@ import vinterp
 
 pytestmark = [
     pytest.mark.engine("gpu_parallel"),
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.gpus(2),
 ]
 
 MODEL_ENV, DEFAULT_MODEL = "VINTERP_GPU_PARALLEL_MODEL", "llama1b"
