@@ -169,12 +169,14 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
     with ShardWriter(store, threads=1, queued=1) as writer:
         writer.put(PendingShard(0, 1, lambda: slow(0, 1)))  # taken by the thread, blocked
         writer.put(PendingShard(1, 2, lambda: rows(1, 2)))  # fills the queue
+        free = writer.waited_s  # two puts into free slots
         third = threading.Thread(target=writer.put, args=(PendingShard(2, 4, lambda: rows(2, 4)),))
         third.start()
         third.join(0.3)
         assert third.is_alive()  # bounded: the caller waits for the writer
         release.set()
         third.join(10)
+    assert free < 0.1 and writer.waited_s >= 0.3 + free  # the summary line's "waited"
     assert [s.end for s in store.manifest.shards] == [1, 2, 4]
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
 

@@ -235,7 +235,7 @@ def run(
         write_finished()  # shards without prompts at the end
     store.finish()
     if use_tqdm:
-        print(summary(store, time.perf_counter() - began, tokens))
+        print(summary(store, time.perf_counter() - began, tokens, writer.waited_s))
 
 
 def pending_shard(
@@ -308,13 +308,15 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def summary(store: ActivationStore, seconds: float, tokens: int) -> str:
+def summary(store: ActivationStore, seconds: float, tokens: int, waited: float) -> str:
+    """The closing line; `waited` (the engine's feed held up by busy writers) says when the
+    disk, not the model, set the pace."""
     totals = store.manifest.totals()
     return (
         f"extract: {totals['rows']:,} rows from {totals['prompts_done']:,} prompts "
         f"({totals.get(TOO_LONG, 0):,} skipped as too long), {store.bytes_written / 1e9:.2f} GB "
         f"written in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) to "
-        f"{store.root}"
+        f"{store.root}; the engine waited {waited:.1f} s for the disk writers"
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ import numpy as np
 from vinterp.store.directory import ActivationStore
 from vinterp.store.manifest import ShardEntry
 
-# Shards written at once: enough to keep a disk and the column copies busy while one shard
-# waits for its captured rows.
-WRITER_THREADS = 4
+# Shards written at once. Each first waits for its captured rows (a take's round trip to the
+# workers and their copy from the device, a few tenths of a second on a GPU), so enough must
+# be in hand that the disk stays busy meanwhile; the shard size shrinks with the count, so
+# host memory stays the same.
+WRITER_THREADS = 8
 
 
 @dataclass
@@ -52,13 +55,16 @@ class ShardWriter:
         self._slots = threading.Semaphore(threads + queued)  # shards in hand at most
         self._queue: queue.Queue[Future[ShardEntry] | None] = queue.Queue()  # in order
         self._error: BaseException | None = None
+        self.waited_s = 0.0  # how long `put` waited for a free slot: the writers held the caller
         self._thread = threading.Thread(target=self._run, name="vinterp-shard-lister", daemon=True)
         self._thread.start()
 
     def put(self, shard: PendingShard) -> None:
         """Start writing a shard; waits while `threads + queued` shards are in hand."""
+        began = time.perf_counter()
         while not self._slots.acquire(timeout=0.1):
             self._raise()
+        self.waited_s += time.perf_counter() - began
         if self._error is not None:
             self._slots.release()
             self._raise()
