@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
+import logging
 import time
 import uuid
 from collections import deque
@@ -53,6 +54,10 @@ from vinterp.store import (
 )
 from vinterp.wire.specs import Capture, RequestSpecs
 
+log = logging.getLogger(__name__)
+# The attribute of the log record each run ends with: how long the engine's feed waited for
+# the shard writers (`vinterp bench` reports it beside the run's time).
+WRITERS_WAITED = "writers_waited_s"
 BUFFER_GB = 2.0  # host memory for the shards in flight, unless told
 # Shards of host memory in hand at once: each the writer holds (`WRITER_THREADS` being
 # written, one queued), as captured rows and as columns where these are copies of them.
@@ -234,8 +239,14 @@ def run(
             write_finished()
         write_finished()  # shards without prompts at the end
     store.finish()
+    waited = writer.waited_s
+    log.info(
+        "extract: the engine waited %.1f s for the disk writers",
+        waited,
+        extra={WRITERS_WAITED: waited},
+    )
     if use_tqdm:
-        print(summary(store, time.perf_counter() - began, tokens, writer.waited_s))
+        print(summary(store, time.perf_counter() - began, tokens, waited))
 
 
 def pending_shard(

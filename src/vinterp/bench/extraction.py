@@ -8,10 +8,11 @@ rows to the same disk (no engine): an extraction can be no faster than that or t
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.api.extract import BUFFER_GB, engine_settings, shard_bytes, store_columns
+from vinterp.api.extract import (
+    BUFFER_GB,
+    WRITERS_WAITED,
+    engine_settings,
+    shard_bytes,
+    store_columns,
+)
+from vinterp.api.extract import log as extract_log
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -180,7 +188,7 @@ def run(
         times: dict[str, Timing] = {}
         hidden = int(config.hidden_size)
         for x in ours:
-            timing, written, count = time_extract(
+            timing, written, count, waited = time_extract(
                 model, dtype, texts, x, repeats, root, **engine_kwargs
             )
             times[x.key] = timing
@@ -190,6 +198,7 @@ def run(
                 "gb_written": written / GB,
                 "gb_per_s": written / GB / timing.median,
                 "store_alone_s": alone.median,
+                "writers_waited_s": waited,
             }
             rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
             progress(x.key)
@@ -229,10 +238,11 @@ def time_extract(
     repeats: int,
     root: Path,
     **engine_kwargs: Any,
-) -> tuple[Timing, int, int]:
+) -> tuple[Timing, int, int, float]:
     """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
     sites, each run into a fresh directory under `root` that is deleted after the run (not
-    timed); the bytes of site values one run wrote, and its rows."""
+    timed); the bytes of site values one run wrote, its rows, and how long its engine feed
+    waited for the shard writers (the median over the timed runs)."""
     written: list[int] = []
     count: list[int] = []
     runs: list[Path] = []
@@ -250,8 +260,31 @@ def time_extract(
             shutil.rmtree(runs.pop(), ignore_errors=True)
 
         warm = {x.key: partial(extract, warm_up(texts))}
-        timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
-    return timing, written[-1], count[-1]
+        with writer_waits() as waits:
+            timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
+    return timing, written[-1], count[-1], float(np.median(waits[-len(timing.times) :]))
+
+
+@contextmanager
+def writer_waits() -> Iterator[list[float]]:
+    """The writers' waits of the `llm.extract` runs inside the block, in order, read from
+    the record each run logs."""
+    waits: list[float] = []
+    logger = extract_log
+
+    class Waits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if hasattr(record, WRITERS_WAITED):
+                waits.append(getattr(record, WRITERS_WAITED))
+
+    handler, level = Waits(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield waits
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> Timing:

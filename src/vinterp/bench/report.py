@@ -77,6 +77,7 @@ EXTRAS: dict[str, str | None] = {
     "gb_written": "{:.3g} GB written",
     "gb_per_s": "{:.3g} GB/s",
     "store_alone_s": "the store alone writes them in {:.3g} s",
+    "writers_waited_s": "the engine waited {:.3g} s for the writers",
     "gb_collected": "{:.3g} GB collected",
     "hf_batch": None,
     "vinterp_throughput_x_hf": "vinterp's throughput {:.2f}x HF's",
