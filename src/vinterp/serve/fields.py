@@ -130,9 +130,11 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         checked = specs is not None and not body.get("stream") and _checks_applied(engine)
         if response.status_code != 200 or (prepared.capture is None and not checked):
             return response
-        data = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
-        if not isinstance(data, dict):  # vLLM's route ended early: its client left
-            return JSONResponse(data, status_code=response.status_code)
+        raw = b"".join([chunk async for chunk in response.body_iterator])
+        data = json.loads(raw) if raw else None
+        # vLLM's route ended early, its client gone: 0.32 answers `null`, 0.33 an empty body
+        if not isinstance(data, dict):
+            return Response(raw, status_code=response.status_code)
         try:
             if checked:
                 await _raise_unapplied(engine)

@@ -1,0 +1,53 @@
+"""The `vinterp` body-field middleware around a completions route whose client has left: vLLM
+0.32's route then answers `null`, 0.33's an empty body. Either goes back as it came, and the
+request's captures are still taken from the workers (dropped, never kept). The route and the
+engine client stand in for vLLM's (no engine here; tests/test_serve.py runs the real server)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+from transformers import LlamaConfig
+
+from vinterp.serve.fields import vinterp_fields
+
+
+class EngineClient:
+    """What the middleware reads of vLLM's engine client: the model's config and the
+    workers' RPCs (each worker answers with no captured rows)."""
+
+    def __init__(self) -> None:
+        config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2)
+        self.model_config = SimpleNamespace(hf_config=config)
+        self.vllm_config = SimpleNamespace(additional_config={})
+        self.calls: list[tuple[str, Any]] = []
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
+        self.calls.append((method, args))
+        return [{}]
+
+
+@pytest.mark.parametrize(
+    "left", [JSONResponse(None), Response(b"")], ids=["vllm-0.32-null", "vllm-0.33-empty"]
+)
+def test_a_route_whose_client_left_goes_back_as_it_came_and_its_captures_are_dropped(
+    left: Response,
+) -> None:
+    async def completions(request: Any) -> Response:
+        return left
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.add_middleware(BaseHTTPMiddleware, dispatch=vinterp_fields)
+    engine = app.state.engine_client = EngineClient()
+    body = {"prompt": "hi", "vinterp": {"capture": {"sites": ["layers.1.output"]}}}
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.content == left.body
+    assert [method for method, _ in engine.calls] == ["vinterp_take_captures"]
