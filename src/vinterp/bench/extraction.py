@@ -270,21 +270,20 @@ def writer_waits() -> Iterator[list[float]]:
     """The writers' waits of the `llm.extract` runs inside the block, in order, read from
     the record each run logs."""
     waits: list[float] = []
-    logger = extract_log
 
     class Waits(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if hasattr(record, WRITERS_WAITED):
                 waits.append(getattr(record, WRITERS_WAITED))
 
-    handler, level = Waits(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    handler, level = Waits(logging.INFO), extract_log.level
+    extract_log.addHandler(handler)
+    extract_log.setLevel(logging.INFO)
     try:
         yield waits
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        extract_log.removeHandler(handler)
+        extract_log.setLevel(level)
 
 
 def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> Timing:
