@@ -4,6 +4,7 @@ the uninterrupted dataset, and bad input is refused before anything runs."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import torch
 from vinterp.api import extract as extract_module
 from vinterp.api.extract import engine_settings
 from vinterp.engine.rpc_later import collective_rpc_later
-from vinterp.store import SpecMismatchError
+from vinterp.store import SpecMismatchError, StoreError, files
 
 pytestmark = pytest.mark.engine("tiny")
 
@@ -124,10 +125,50 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
         assert torch.equal(got[name], want[name]), name
 
 
-def test_rows_equal_trace_saves_of_the_same_tokens(
-    engines: Any, tiny_llama: Any, tmp_path: Path
+def test_a_failed_run_leaves_the_engine_as_it_was(
+    engines: Any, tiny_llama: Any, prompts_file: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    llm = engines.vllm(tiny_llama)
+    """The disk fills up at the second shard: a StoreError naming it; the requests still
+    queued are aborted and the workers hold none of the run's rows, so the next calls answer
+    as before; the same run, once there is room, finishes the dataset an unbroken run gives."""
+    llm = engines.vllm(tiny_llama, **engine_settings(SITES))
+    before = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=3, use_tqdm=False)]
+    write_atomic = files.write_atomic
+
+    def disk_full(path: Path, write: Any) -> int:
+        if path.name.startswith("data-") and path.name != "data-00000.arrow":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_atomic(path, write)
+
+    monkeypatch.setattr(files, "write_atomic", disk_full)
+    kwargs = {"skip_first": 1, "buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
+    out = tmp_path / "full"
+    with pytest.raises(StoreError, match="data-00001.arrow.*No space left on device"):
+        llm.extract(PROMPTS * 3, SITES, out=out, **kwargs)
+    monkeypatch.undo()
+    native = llm.backend.native
+    assert not native.llm_engine.has_unfinished_requests()
+    assert [held["captures"] for held in native.collective_rpc("vinterp_held_state")] == [0]
+    assert list(llm.backend._handoff.directory.iterdir()) == []
+    assert [o.token_ids for o in llm.generate(PROMPTS, max_tokens=3, use_tqdm=False)] == before
+
+    assert len(manifest(out)["shards"]) == 1
+    resumed = columns_of(llm.extract(PROMPTS * 3, SITES, out=out, **kwargs))
+    whole = columns_of(llm.extract(PROMPTS * 3, SITES, out=tmp_path / "whole", **kwargs))
+    assert manifest(out)["shards"] == manifest(tmp_path / "whole")["shards"]
+    for name in whole:
+        assert torch.equal(resumed[name], whole[name]), name
+
+
+@pytest.mark.parametrize(
+    "settings", [engine_settings(SITES), {}], ids=["extraction engine", "default engine"]
+)
+def test_rows_equal_trace_saves_of_the_same_tokens(
+    engines: Any, tiny_llama: Any, tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    """On the engine `vinterp extract` starts (SITES captured in the compiled graph, the
+    other layers in uncompiled steps) and on a default one."""
+    llm = engines.vllm(tiny_llama, **settings)
     prompts = PROMPTS[:3]
     llm.extract(prompts, "layers.*.output", out=tmp_path, buffer_gb=SMALL_BUFFER_GB)
     rows = columns(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -69,3 +70,43 @@ def test_shutdown_stops_in_process_engine(engines, tiny_llama) -> None:
     assert started, "the engine started no processes"
     engines.release()
     assert _wait_gone(sorted(started)) == []
+
+
+def test_an_extraction_whose_engine_core_dies_ends_with_an_error_not_a_hang(
+    engines, tiny_llama, tmp_path
+) -> None:
+    """Killed mid-run, the engine core answers nothing more: the feed, the writers waiting
+    for rows and the clean-up of what was captured all end within seconds."""
+    engines.release()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = engines.vllm(tiny_llama)
+    core = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert core, "the engine started no processes"
+    prompts = [f"prompt {k}: " + "the residual stream " * 40 for k in range(5000)]
+    out = tmp_path / "acts"
+    ended: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            llm.extract(prompts, "layers.*.output", out=out, buffer_gb=2e-3, use_tqdm=False)
+        except Exception as exc:
+            ended["error"] = exc
+
+    feed = threading.Thread(target=run, daemon=True)
+    feed.start()
+    deadline = time.monotonic() + 120
+    while not list(out.glob("data-*.arrow")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(out.glob("data-*.arrow")), "no shard written in 120 s"
+    assert feed.is_alive(), "the run ended before the engine was killed"
+    for process in core:
+        process.kill()
+    killed = time.monotonic()
+    feed.join(60)
+    assert not feed.is_alive(), "the extraction still waits 60 s after the engine died"
+    assert time.monotonic() - killed < 60 and "error" in ended
+    engines.release()

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import datasets
 import numpy as np
@@ -19,6 +23,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from vinterp import cli
 from vinterp.api.extract import expand_sites, joined, shard_columns
 from vinterp.api.extract_plan import (
     NO_ROWS,
@@ -41,6 +46,7 @@ from vinterp.store import (
     StoreError,
     column_values,
     files,
+    site_shards,
     site_tensor,
 )
 from vinterp.wire.specs import Capture
@@ -166,14 +172,21 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
         release.wait(10)
         return rows(start, end)
 
+    made: list[int] = []  # the shards whose rows were asked for (`put`'s `make` ran)
+
+    def make(start: int, end: int, build: Callable[[], Any]) -> PendingShard:
+        made.append(start)
+        return PendingShard(start, end, build)
+
     with ShardWriter(store, threads=1, queued=1) as writer:
-        writer.put(PendingShard(0, 1, lambda: slow(0, 1)))  # taken by the thread, blocked
-        writer.put(PendingShard(1, 2, lambda: rows(1, 2)))  # fills the queue
+        writer.put(partial(make, 0, 1, lambda: slow(0, 1)))  # taken by the thread, blocked
+        writer.put(partial(make, 1, 2, lambda: rows(1, 2)))  # fills the queue
         free = writer.waited_s  # two puts into free slots
-        third = threading.Thread(target=writer.put, args=(PendingShard(2, 4, lambda: rows(2, 4)),))
+        third = threading.Thread(target=writer.put, args=(partial(make, 2, 4, lambda: rows(2, 4)),))
         third.start()
         third.join(0.3)
         assert third.is_alive()  # bounded: the caller waits for the writer
+        assert made == [0, 1]  # and the third shard's rows are not asked for meanwhile
         release.set()
         third.join(10)
     assert free < 0.1 and writer.waited_s >= 0.3 + free  # the summary line's "waited"
@@ -188,7 +201,7 @@ def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
         raise RuntimeError("column build failed")
 
     writer = ShardWriter(store)
-    writer.put(PendingShard(0, 1, broken))
+    writer.put(partial(PendingShard, 0, 1, broken))
     with pytest.raises(RuntimeError, match="column build failed"):
         writer.close()
     assert store.manifest.shards == []
@@ -210,9 +223,9 @@ def test_shards_finished_out_of_order_are_listed_in_order(tmp_path: Path) -> Non
         return rows(2, 4)
 
     with ShardWriter(store, threads=3) as writer:
-        writer.put(PendingShard(0, 1, first))
-        writer.put(PendingShard(1, 2, lambda: rows(1, 2)))
-        writer.put(PendingShard(2, 4, last))
+        writer.put(partial(PendingShard, 0, 1, first))
+        writer.put(partial(PendingShard, 1, 2, lambda: rows(1, 2)))
+        writer.put(partial(PendingShard, 2, 4, last))
     assert [(s.file, s.end) for s in store.manifest.shards] == [
         ("data-00000.arrow", 1),
         ("data-00001.arrow", 2),
@@ -231,15 +244,42 @@ def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
 
     with pytest.raises(RuntimeError, match="column build failed"):  # noqa: PT012
         with ShardWriter(store, threads=3) as writer:
-            writer.put(PendingShard(0, 1, lambda: rows(0, 1)))
-            writer.put(PendingShard(1, 2, broken))
-            writer.put(PendingShard(2, 3, lambda: rows(2, 3)))
+            writer.put(partial(PendingShard, 0, 1, lambda: rows(0, 1)))
+            writer.put(partial(PendingShard, 1, 2, broken))
+            writer.put(partial(PendingShard, 2, 3, lambda: rows(2, 3)))
             writer.close()
     assert [s.end for s in store.manifest.shards] == [1]
     reopened = open_store(tmp_path)  # shard 2 may have been written: unlisted, it goes
     assert sorted(p.name for p in tmp_path.glob("data-*")) == ["data-00000.arrow"]
     reopened.commit(1, 3, rows(1, 3), {})
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 3)["prompt"])
+
+
+def test_shards_put_after_a_failed_one_are_dropped_not_built(tmp_path: Path) -> None:
+    """Their captured rows are let go (`drop`), so a failed run leaves nothing behind."""
+    store = open_store(tmp_path)
+    go = threading.Event()
+    built: list[int] = []
+    dropped: list[int] = []
+
+    def broken() -> dict[str, np.ndarray]:
+        assert go.wait(10)
+        raise RuntimeError("disk full")
+
+    def build(start: int, end: int) -> dict[str, np.ndarray]:
+        built.append(start)
+        return rows(start, end)
+
+    writer = ShardWriter(store, threads=1, queued=3)
+    writer.put(partial(PendingShard, 0, 1, broken))
+    for start in (1, 2):  # put while the first shard is still being written
+        shard = partial(PendingShard, start, start + 1, partial(build, start, start + 1))
+        writer.put(partial(shard, drop=partial(dropped.append, start)))
+    go.set()
+    with pytest.raises(RuntimeError, match="disk full"):
+        writer.close()
+    assert built == [] and dropped == [1, 2]
+    assert store.manifest.shards == [] and not list(tmp_path.glob("data-*"))
 
 
 # -- site values in their stored dtype -----------------------------------------------------
@@ -391,6 +431,32 @@ def test_site_tensor_of_one_shard_maps_the_file_copy_on_write(tmp_path: Path) ->
     assert torch.equal(bits(site_tensor(tmp_path, "a")), bits(values))
 
 
+def mapped_files(tensor: torch.Tensor) -> set[str]:
+    """The files whose memory maps hold the tensor's first byte (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end and len(fields) == 6:
+            found.add(fields[5])
+    return found
+
+
+def test_site_shards_are_the_shard_files_mapped_without_a_copy(tmp_path: Path) -> None:
+    store = site_store(tmp_path, "bfloat16", 8)
+    parts = [special_values("bfloat16", n, 8, seed) for seed, n in enumerate([4, 6, 5])]
+    for k, part in enumerate(parts):
+        store.commit(k, k + 1, site_rows(k, {"a": part, "b": part}, "bfloat16"), {})
+    shards = site_shards(tmp_path, "a")
+    assert [bits(s).tolist() for s in shards] == [bits(p).tolist() for p in parts]
+    for k, shard in enumerate(shards):
+        assert mapped_files(shard) == {str(tmp_path / f"data-{k:05d}.arrow")}
+    shards[1].zero_()  # a private page: the file keeps its values
+    assert torch.equal(bits(site_shards(tmp_path, "a")[1]), bits(parts[1]))
+    assert torch.equal(bits(site_tensor(tmp_path, "a")), bits(torch.cat(parts)))
+
+
 def test_site_tensor_of_an_empty_dataset_has_no_rows(tmp_path: Path) -> None:
     site_store(tmp_path, "bfloat16", 4)
     got = site_tensor(tmp_path, "a")
@@ -502,3 +568,28 @@ def test_bad_prompt_sources_are_refused_with_the_index(tmp_path: Path) -> None:
         prompt_source([])
     with pytest.raises(TypeError, match="prompt 0: expected a string"):
         prompt_source([[1, 2]])
+
+
+@pytest.mark.parametrize(
+    ("lines", "options", "error"),
+    [
+        ("a\n\nb\n", [], r"prompt 1 of \S+ is empty"),
+        ("a\nb\n", ["--positions", "3", "--skip-first", "5"], "below skip_first=5"),
+        (None, [], "prompts: no file"),
+    ],
+    ids=["empty prompt", "positions", "no prompts file"],
+)
+def test_vinterp_extract_names_bad_input_in_one_line_before_an_engine_starts(
+    tmp_path: Path, lines: str | None, options: list[str], error: str
+) -> None:
+    """The model folder does not exist: an engine start would fail on it first."""
+    prompts = tmp_path / "prompts.txt"
+    if lines is not None:
+        prompts.write_text(lines)
+    args = ["extract", "-v", "--model", str(tmp_path / "no-model"), "--prompts", str(prompts)]
+    args += ["--sites", "layers.1.output", "--out", str(tmp_path / "out"), *options]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(args)
+    message = str(stopped.value.code)
+    assert message.startswith("vinterp extract: ") and re.search(error, message), message
+    assert not (tmp_path / "out").exists()

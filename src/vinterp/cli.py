@@ -207,26 +207,37 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _extract(args: argparse.Namespace) -> None:
+    """Bad input (prompts, positions, sites, a folder of another spec, a full disk) ends the
+    command with one line naming it; the prompts and positions are checked before the engine
+    starts."""
     if not args.verbose:
         _quiet_logs()
     import vinterp
     from vinterp.api.extract import engine_settings
+    from vinterp.api.extract_plan import check_positions
+    from vinterp.api.prompt_source import prompt_source
+    from vinterp.errors import VinterpError
 
     engine = engine_settings(args.sites, args.positions)
     for name, keyword in EXTRACT_ENGINE_ARGS.items():
         if getattr(args, name) is not None:
             engine[keyword] = getattr(args, name)
-    with vinterp.LLM(args.model, **engine) as llm:
-        llm.extract(
-            args.prompts,
-            args.sites,
-            args.positions,
-            out=args.out,
-            dtype=args.dtype,
-            skip_first=args.skip_first,
-            column=args.column,
-            buffer_gb=args.buffer_gb,
-        )
+    try:
+        check_positions(args.positions, args.skip_first)
+        prompts = prompt_source(args.prompts, args.column)
+        with vinterp.LLM(args.model, **engine) as llm:
+            llm.extract(
+                prompts,
+                args.sites,
+                args.positions,
+                out=args.out,
+                dtype=args.dtype,
+                skip_first=args.skip_first,
+                column=args.column,
+                buffer_gb=args.buffer_gb,
+            )
+    except (VinterpError, ValueError, TypeError, FileNotFoundError) as exc:
+        raise SystemExit(f"vinterp extract: {exc}") from None
 
 
 # `vinterp extract` options that go to the engine (argparse name -> vinterp.LLM keyword)

@@ -6,6 +6,7 @@ with the same spec."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import itertools
 import logging
@@ -224,20 +225,26 @@ def run(
         def write_finished() -> None:
             nonlocal tokens
             while started and started[0].waiting == 0:
-                entry = started.popleft()
-                writer.put(pending_shard(backend, entry, capture, store))
+                entry = started[0]
+                writer.put(partial(pending_shard, backend, entry, capture, store))
+                started.popleft()
                 tokens += entry.shard.counts[TOKENS]
                 rate = tokens / (time.perf_counter() - began)
                 written = store.bytes_written / 1e9
                 bar.set_postfix_str(f"{rate:,.0f} tok/s, {written:.2f} GB written")
                 bar.update(entry.shard.end - entry.shard.start)
 
-        for index, output in backend.stream(requests(), queued_tokens):
-            entry, k = owner.pop(index)
-            entry.outputs[k] = output
-            entry.waiting -= 1
-            write_finished()
-        write_finished()  # shards without prompts at the end
+        try:
+            with contextlib.closing(backend.stream(requests(), queued_tokens)) as finished:
+                for index, output in finished:
+                    entry, k = owner.pop(index)
+                    entry.outputs[k] = output
+                    entry.waiting -= 1
+                    write_finished()
+            write_finished()  # shards without prompts at the end
+        except BaseException:
+            drop_captures(backend, started)
+            raise
     store.finish()
     waited = writer.waited_s
     log.info(
@@ -259,7 +266,17 @@ def pending_shard(
     build = partial(
         shard_columns, shard.prompts, entry.outputs, entry.capture_ids, taken, capture, store
     )
-    return PendingShard(shard.start, shard.end, build, shard.counts)
+    return PendingShard(shard.start, shard.end, build, shard.counts, drop=taken)
+
+
+def drop_captures(backend: Any, started: deque[ShardRun]) -> None:
+    """After a failed run: the rows captured for shards not handed to the writer (finished,
+    in the engine, or aborted there) are taken and let go, so the workers hold none of them
+    and the engine serves on as before."""
+    ids = [capture_id for entry in started for capture_id in entry.capture_ids]
+    if ids:
+        with contextlib.suppress(Exception):  # a dead engine holds nothing any more
+            backend.take_captures(ids)
 
 
 def tokenize(llm: Any, source: PromptSource, start: int) -> Iterator[tuple[int, list[int]]]:

@@ -46,7 +46,10 @@ class PromptSource:
 
 
 def prompt_source(prompts: Any, column: str = "text") -> PromptSource:
-    """The checked source of `prompts` (see the module docstring)."""
+    """The checked source of `prompts` (see the module docstring); a source already checked
+    is passed through (`vinterp extract` checks its file before the engine starts)."""
+    if isinstance(prompts, PromptSource):
+        return prompts
     if isinstance(prompts, (list, tuple)):
         items = list(prompts)
         return PromptSource(lambda: iter(items), f"the list of {len(items)} prompts").scan()

@@ -309,7 +309,7 @@ def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> T
             for index, start in enumerate(range(0, rows, per_shard)):
                 n = min(per_shard, rows - start)
                 shard = {name: values[:n] for name, values in block.items()}
-                writer.put(PendingShard(index, index + 1, partial(dict, shard)))
+                writer.put(partial(PendingShard, index, index + 1, partial(dict, shard)))
 
     def remove() -> None:
         shutil.rmtree(runs.pop(), ignore_errors=True)

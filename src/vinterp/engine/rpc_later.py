@@ -7,16 +7,21 @@ fills."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+POLL_S = 0.5  # how often a wait looks whether the engine core has died
+
 
 def collective_rpc_later(llm: Any, method: str, args: tuple = ()) -> Callable[..., list[Any]]:
     """Send `method(*args)` to every worker of `llm` (a `vllm.LLM`) now, from the thread that
     also adds its requests; the returned call (`timeout=` seconds, optional) waits for the
-    workers' answers, from any thread. An engine core in this process answers at once."""
+    workers' answers, from any thread, and raises vLLM's EngineDeadError within a second of
+    the engine core dying (its answer would never come). An engine core in this process
+    answers at once."""
     client = llm.llm_engine.engine_core
     utility_results = getattr(client, "utility_results", None)
     send = getattr(client, "_send_input", None)
@@ -29,4 +34,27 @@ def collective_rpc_later(llm: Any, method: str, args: tuple = ()) -> Callable[..
     answer: Future[list[Any]] = Future()
     utility_results[call_id] = answer
     send(EngineCoreRequestType.UTILITY, (0, call_id, "collective_rpc", (method, None, args, None)))
-    return answer.result
+    alive = engine_alive(llm)
+
+    def wait(timeout: float | None = None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            try:
+                return answer.result(timeout=max(left, 0.0))
+            except TimeoutError:  # concurrent.futures.TimeoutError is this one
+                if not alive():
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    raise EngineDeadError() from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    return wait
+
+
+def engine_alive(llm: Any) -> Callable[[], bool]:
+    """Whether the engine core of `llm` (a `vllm.LLM`) still runs: vLLM's client marks it dead
+    when the core's process ends. An engine core in this process counts as running."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    return lambda: not getattr(resources, "engine_dead", False)

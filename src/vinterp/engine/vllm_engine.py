@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -22,7 +23,7 @@ from vinterp.engine.config_keys import (
 )
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
-from vinterp.engine.rpc_later import collective_rpc_later
+from vinterp.engine.rpc_later import collective_rpc_later, engine_alive
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_buffers import (
     buffer_rows_setting,
@@ -245,7 +246,7 @@ class VLLMEngine:
         self._prefix_caching = bool(cache_config.enable_prefix_caching)
         self._global_steering = False
         self._named: set[str] = set()
-        self._handoff = FileHandoff()
+        self._handoff = FileHandoff(alive=engine_alive(self.llm))
         atexit.register(self.shutdown)
 
     @property
@@ -300,28 +301,34 @@ class VLLMEngine:
     ) -> Iterator[tuple[int, Output]]:
         """(index, output) of each request as it finishes, keeping about `queued_tokens`
         prompt tokens queued in the engine: the engine never waits between batches (no
-        batch's last, part-full step) and the requests not yet queued cost nothing."""
+        batch's last, part-full step) and the requests not yet queued cost nothing. Closing
+        the stream early (or an error) aborts the requests still queued."""
         engine = self.llm.llm_engine
         pending = enumerate(requests)
         queued: dict[str, tuple[int, int]] = {}  # request id -> (index, prompt tokens)
         total = 0
-        while True:
-            while (total < queued_tokens or not queued) and (
-                item := next(pending, None)
-            ) is not None:
-                index, (ids, sampling, specs) = item
-                request_id = f"vinterp-stream-{uuid.uuid4().hex}"
-                prompt = self._prompt(ids, specs is not None)
-                engine.add_request(request_id, prompt, request_params(sampling, specs))
-                queued[request_id] = (index, len(ids))
-                total += len(ids)
-            if not queued:
-                return
-            for result in engine.step():
-                if result.finished:
-                    index, size = queued.pop(result.request_id)
-                    total -= size
-                    yield index, to_output(result)
+        try:
+            while True:
+                while (total < queued_tokens or not queued) and (
+                    item := next(pending, None)
+                ) is not None:
+                    index, (ids, sampling, specs) = item
+                    request_id = f"vinterp-stream-{uuid.uuid4().hex}"
+                    prompt = self._prompt(ids, specs is not None)
+                    engine.add_request(request_id, prompt, request_params(sampling, specs))
+                    queued[request_id] = (index, len(ids))
+                    total += len(ids)
+                if not queued:
+                    return
+                for result in engine.step():
+                    if result.finished:
+                        index, size = queued.pop(result.request_id)
+                        total -= size
+                        yield index, to_output(result)
+        finally:
+            if queued:
+                with contextlib.suppress(Exception):  # a dead engine has nothing to abort
+                    engine.abort_request(list(queued))
 
     def step_stats(self) -> dict[str, int]:
         """Forward steps run so far, and how many of them ran uncompiled (first worker)."""

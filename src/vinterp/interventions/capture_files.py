@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,10 @@ class FileHandoff:
     """The front end's side: a private directory the workers write blocks into, and the
     decoding of the blocks they answer with (`tensor`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="vinterp-captures-", dir=_root()))
         self.host = host_key()
+        self.alive = alive  # False once the workers' engine has died: no file is coming
 
     def request(self) -> dict[str, str]:
         """What a take sends the workers."""
@@ -86,6 +88,8 @@ class FileHandoff:
                     f"{what}: the worker could not write the captured rows to {path.parent}: "
                     f"{message}; set {DIR_ENV} to a directory with room for them"
                 )
+            if not self.alive():
+                raise OSError(f"{what}: the engine stopped before its workers wrote {path}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: no rows in {path} after {WAIT_SECONDS:.0f} s")
             time.sleep(pause)

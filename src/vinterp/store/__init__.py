@@ -6,7 +6,13 @@ from vinterp.store.directory import ActivationStore
 from vinterp.store.files import content_hash
 from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.manifest import Manifest, SpecMismatchError, StoreError
-from vinterp.store.values import COLUMN_DTYPE, STORED_DTYPES, column_values, site_tensor
+from vinterp.store.values import (
+    COLUMN_DTYPE,
+    STORED_DTYPES,
+    column_values,
+    site_shards,
+    site_tensor,
+)
 from vinterp.store.writer import WRITER_THREADS, PendingShard, ShardWriter
 
 __all__ = [
@@ -23,5 +29,6 @@ __all__ = [
     "column_values",
     "content_hash",
     "row_size",
+    "site_shards",
     "site_tensor",
 ]

@@ -1,6 +1,7 @@
 """Site values in a dataset's columns, bit for bit in the stored dtype. Arrow has no bfloat16:
 a bfloat16 value is stored as its 2-byte bit pattern in a uint16 column, and `site_tensor`
-reads a column back as a torch tensor of the stored dtype, memory-mapped."""
+reads a column back as a torch tensor of the stored dtype (`site_shards`: one memory-mapped
+tensor per shard)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,17 @@ def site_tensor(data: str | Path | Any, site: str) -> torch.Tensor:
     (`manifest.json`'s spec "dtype"; bfloat16 from its stored bits), rows in stored order.
 
     `data` is the directory, or a `datasets.Dataset` loaded from it with all its rows in
-    order. The shards are memory-mapped copy-on-write: a dataset of one shard gives a tensor
-    over the mapped file without a copy (writing to it never changes the file); several
-    shards are concatenated into one tensor in memory."""
+    order. A dataset of one shard gives a tensor over the memory-mapped file without a copy
+    (`site_shards`); several shards are concatenated into one tensor in memory."""
+    pieces = site_shards(data, site)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def site_shards(data: str | Path | Any, site: str) -> list[torch.Tensor]:
+    """One site's values as (rows, H) tensors of the stored dtype, one per shard in stored
+    order (at least one), each over its memory-mapped file without a copy: a dataset larger
+    than host memory is read as the pages are touched. The maps are private (copy-on-write):
+    writing to a tensor never changes the file."""
     root = dataset_dir(data)
     manifest = Manifest.read(root / MANIFEST)
     dtype = manifest.spec.get("dtype")
@@ -55,14 +64,13 @@ def site_tensor(data: str | Path | Any, site: str) -> torch.Tensor:
                 f"the dataset does not hold the {rows} rows of {root} in stored order (a "
                 "select, shuffle or filter maps them); pass the directory instead"
             )
-    chunks = [
+    pieces = [
         chunk_tensor(chunk, dtype, root / shard.file)
         for shard in manifest.shards
         for chunk in read_shard(root / shard.file).column(site).chunks
     ]
-    if not chunks:
-        return torch.empty((0, int(manifest.spec["hidden_size"])), dtype=getattr(torch, dtype))
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    width = int(manifest.spec["hidden_size"])
+    return pieces or [torch.empty((0, width), dtype=getattr(torch, dtype))]
 
 
 def dataset_dir(data: str | Path | Any) -> Path:

@@ -30,12 +30,15 @@ WRITER_THREADS = 8
 @dataclass
 class PendingShard:
     """Prompts [start, end) and how to build their columns; `build` runs on a writer thread,
-    so turning captured tensors into arrays overlaps the next shards' compute too."""
+    so turning captured tensors into arrays overlaps the next shards' compute too. `drop`,
+    when given, runs instead of `build` once an earlier shard has failed: it lets the
+    shard's captured rows go without building or writing them."""
 
     start: int
     end: int
     build: Callable[[], dict[str, np.ndarray]]
     counts: dict[str, int] = field(default_factory=dict)
+    drop: Callable[[], object] | None = None
 
 
 _DONE = None  # the queue's end marker
@@ -44,7 +47,8 @@ _DONE = None  # the queue's end marker
 class ShardWriter:
     """Writes queued shards to `store` on `threads` threads and lists them in order; `close`
     (or leaving the `with` block) waits for them. An error is raised in the caller at its next
-    `put` or at `close`; shards listed before it stay valid."""
+    `put` or at `close`; shards listed before it stay valid, the shards put after it are
+    dropped (`PendingShard.drop`), never written."""
 
     def __init__(
         self, store: ActivationStore, threads: int = WRITER_THREADS, queued: int = 1
@@ -54,20 +58,26 @@ class ShardWriter:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vinterp-shard-writer")
         self._slots = threading.Semaphore(threads + queued)  # shards in hand at most
         self._queue: queue.Queue[Future[ShardEntry] | None] = queue.Queue()  # in order
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first, in shard order
+        self._failed = threading.Event()  # a shard failed: those not yet begun are dropped
         self.waited_s = 0.0  # how long `put` waited for a free slot: the writers held the caller
         self._thread = threading.Thread(target=self._run, name="vinterp-shard-lister", daemon=True)
         self._thread.start()
 
-    def put(self, shard: PendingShard) -> None:
-        """Start writing a shard; waits while `threads + queued` shards are in hand."""
+    def put(self, make: Callable[[], PendingShard]) -> None:
+        """Start writing the shard `make()` gives, once fewer than `threads + queued` shards
+        are in hand: `make` runs only then, so a shard's rows are asked for (and reach host
+        memory) only when there is room for them."""
         began = time.perf_counter()
         while not self._slots.acquire(timeout=0.1):
             self._raise()
         self.waited_s += time.perf_counter() - began
-        if self._error is not None:
-            self._slots.release()
+        try:
             self._raise()
+            shard = make()
+        except BaseException:
+            self._slots.release()
+            raise
         self._queue.put(self._pool.submit(self._write, self._next, shard))
         self._next += 1
 
@@ -76,7 +86,7 @@ class ShardWriter:
         if self._thread.is_alive():
             self._queue.put(_DONE)
             self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)
         self._raise()
 
     def __enter__(self) -> ShardWriter:
@@ -95,18 +105,29 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
-    def _write(self, index: int, shard: PendingShard) -> ShardEntry:
-        """Build and write one shard's file (on a pool thread). The captured data `build`
-        holds is let go before the write, so it is not held twice."""
-        start, end, counts, build = shard.start, shard.end, shard.counts, shard.build
+    def _write(self, index: int, shard: PendingShard) -> ShardEntry | None:
+        """Build and write one shard's file (on a pool thread), or only drop it after an
+        error. The captured data `build` holds is let go before the write, so it is not held
+        twice."""
+        start, end, counts = shard.start, shard.end, shard.counts
+        build, drop = shard.build, shard.drop
         del shard
-        values = build()
-        del build
-        return self.store.write(index, start, end, values, counts)
+        if self._failed.is_set():
+            del build
+            if drop is not None:
+                drop()
+            return None
+        try:
+            values = build()
+            del build
+            return self.store.write(index, start, end, values, counts)
+        except BaseException:
+            self._failed.set()
+            raise
 
     def _run(self) -> None:
         """List the shards in order, those already written together with one manifest save.
-        After an error nothing more is listed; what is put is still drained."""
+        After an error nothing more is listed; what is put is still waited for (dropped)."""
         while (written := self._queue.get()) is not _DONE:
             batch = [written]
             while self._queue.qsize():  # only this thread takes from the queue
@@ -116,13 +137,14 @@ class ShardWriter:
                 batch.append(self._queue.get())
             entries = []
             for future in batch:
-                if self._error is not None:
-                    future.cancel()
-                    continue
                 try:
-                    entries.append(future.result())
+                    entry = future.result()
                 except BaseException as exc:
-                    self._error = exc
+                    self._error = self._error or exc
+                    self._failed.set()
+                    continue
+                if self._error is None and entry is not None:
+                    entries.append(entry)
             try:
                 if entries:
                     self.store.add(entries)
