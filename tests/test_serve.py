@@ -275,6 +275,8 @@ def test_async_client_traces_and_steers_like_llm(server, reference) -> None:
 def test_vinterp_routes_need_the_key(server) -> None:
     routes = [
         ("GET", "/v1/vinterp/sites"),
+        ("GET", "/v1/vinterp/stats"),
+        ("GET", "/v1/vinterp/held"),
         ("GET", "/v1/vinterp/steering"),
         ("PUT", "/v1/vinterp/steering"),
         ("DELETE", "/v1/vinterp/steering"),

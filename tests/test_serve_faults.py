@@ -1,8 +1,11 @@
-"""`vinterp serve` under faults (API.md section 6): a client that leaves a captured completion
-or a trace frees what the workers held for it and aborts its generation; a body trickled in
-past `--max-body-seconds` gets a 408; an engine core killed mid-step ends every in-flight
-request within seconds and the server exits non-zero, and so does one of two tensor-parallel
-workers killed. Each on a real server of its own."""
+"""`vinterp serve` under faults and over its limits (API.md section 6): a client that leaves a
+captured completion or a trace frees what the workers held for it and aborts its generation;
+a body trickled in past `--max-body-seconds` gets a 408; a body declared over `--max-body-mb`
+a 413 on any route, before it is sent; a trace over the node, invoke or token limit a 400, one
+beyond the key's running traces a 429, each naming its flag, and the server serves on; an
+engine core killed mid-step ends every in-flight request within seconds and the server exits
+non-zero, and so does one of two tensor-parallel workers killed. Each on a real server of its
+own."""
 
 from __future__ import annotations
 
@@ -23,18 +26,29 @@ from served import KEY, served
 
 import vinterp
 from vinterp.bench.served import Server
+from vinterp.wire.graph import to_wire
+from vinterp.wire.json_form import payload_to_json
 
 pytestmark = pytest.mark.engine("serve_faults", releases=True)
 
 PROMPT = "The capital of France is"
 LONG = 1500  # tokens: far longer than any test waits (about 30 ms each here)
 BODY_SECONDS = 3
+NODES, INVOKES, TOKENS = 8, 2, LONG  # per trace: small, and enough for the faults' traces
+TRACES_PER_KEY = 1
 
 
 @pytest.fixture(scope="module")
 def server(engines) -> Iterator[Server]:
     engines.release()  # one engine at a time on this machine
-    with served("--max-body-seconds", str(BODY_SECONDS)) as running:
+    limits = {
+        "--max-body-seconds": BODY_SECONDS,
+        "--max-trace-nodes": NODES,
+        "--max-trace-invokes": INVOKES,
+        "--max-trace-tokens": TOKENS,
+        "--max-traces-per-key": TRACES_PER_KEY,
+    }
+    with served(*(str(part) for item in limits.items() for part in item)) as running:
         yield running
 
 
@@ -123,24 +137,99 @@ def test_a_client_leaving_a_trace_aborts_it_and_frees_its_state(server) -> None:
     assert time.monotonic() - left < 20.0
 
 
-@pytest.mark.parametrize("path", ["/v1/vinterp/trace", "/v1/completions"])
-def test_a_body_trickled_in_gets_a_408_and_the_server_serves_on(server, path) -> None:
+def half_sent(
+    server: Server, path: str, declared: int, body: bytes, flag: str
+) -> tuple[str, float]:
+    """The server's answer to a POST whose head declares `declared` bytes of body of which
+    only `body` is sent, read until it names `flag`; and the seconds it took."""
     host, port = server.url.removeprefix("http://").split(":")
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
     )
     with socket.create_connection((host, int(port)), timeout=BODY_SECONDS + 20) as sock:
         started = time.monotonic()
-        sock.sendall(head.encode())  # and never the rest of the body
+        sock.sendall(head.encode() + body)  # and never the rest of the body
         answer = b""
-        while b"max-body-seconds" not in answer and (part := sock.recv(4096)):
+        while flag.encode() not in answer and (part := sock.recv(4096)):
             answer += part
-        answer = answer.decode(errors="replace")
-    assert answer.startswith("HTTP/1.1 408"), answer[:300]
-    assert "--max-body-seconds" in answer
-    assert time.monotonic() - started < BODY_SECONDS + 10
+    return answer.decode(errors="replace"), time.monotonic() - started
+
+
+@pytest.mark.parametrize("path", ["/v1/vinterp/trace", "/v1/completions"])
+def test_a_body_trickled_in_gets_a_408_and_the_server_serves_on(server, path) -> None:
+    answer, seconds = half_sent(server, path, 1000, b"{", "--max-body-seconds")
+    assert answer.startswith("HTTP/1.1 408") and "--max-body-seconds" in answer, answer[:300]
+    assert seconds < BODY_SECONDS + 10
     assert not any(settled(server).values())
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/responses"])
+def test_a_body_declared_over_the_limit_gets_a_413_on_any_route_at_once(server, path) -> None:
+    """1 GiB declared, over the default 256 MiB, and none of it sent: refused from the head
+    (vLLM's own routes would wait for the body)."""
+    answer, seconds = half_sent(server, path, 1 << 30, b"", "--max-body-mb")
+    assert answer.startswith("HTTP/1.1 413") and "--max-body-mb" in answer, answer[:300]
+    assert seconds < 5.0
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"], r.text  # serves on
+
+
+class Recorded(Exception):
+    """Ends a trace's body: the client records the trace and does not run it."""
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[vinterp.Client]:
+    with vinterp.Client(server.url, api_key=KEY) as c:
+        yield c
+
+
+def trace_body(client: vinterp.Client, invokes: int = 1, reads: int = 1, **sampling: Any) -> dict:
+    """The body of `POST /v1/vinterp/trace` for `invokes` prompts, each reading and saving
+    the output of `reads` layers (a node each)."""
+    with pytest.raises(Recorded):
+        with client.trace(use_tqdm=False, **{"max_tokens": 1, **sampling}) as tr:
+            for _ in range(invokes):
+                with tr.invoke(PROMPT):
+                    for layer in range(reads):
+                        client.layers[layer].output.save()
+            raise Recorded
+    return {"graph": payload_to_json(to_wire(tr.graph))}
+
+
+def post_trace(server: Server, body: dict, timeout: float = 60.0) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(server.url + "/v1/vinterp/trace", json=body, headers=headers, timeout=timeout)
+
+
+OVER = {
+    "--max-trace-nodes": {"reads": NODES + 1},
+    "--max-trace-invokes": {"invokes": INVOKES + 1},
+    "--max-trace-tokens": {"max_tokens": TOKENS + 1},
+}
+
+
+@pytest.mark.parametrize("flag", OVER)
+def test_a_trace_over_a_limit_gets_a_400_naming_its_flag(server, client, flag) -> None:
+    r = post_trace(server, trace_body(client, **OVER[flag]))
+    assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text
+    r = post_trace(server, trace_body(client))
+    assert r.status_code == 200 and r.json()["failure"] is None, r.text  # serves on
+
+
+def test_a_trace_beyond_the_keys_running_traces_gets_a_429_at_once(server, client) -> None:
+    long = trace_body(client, max_tokens=LONG, ignore_eos=True)
+    thread, outcome = in_thread(lambda: post_trace(server, long, timeout=6.0))
+    assert wait_for(lambda: held(server)["traces"] == TRACES_PER_KEY, 4.0)
+    started = time.monotonic()
+    r = post_trace(server, trace_body(client))
+    assert r.status_code == 429 and "--max-traces-per-key" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - started < 5.0  # refused, not queued behind the running trace
+    thread.join(30)
+    assert "error" in outcome  # its client left: the running trace was aborted
+    # the key's slot comes back
+    assert wait_for(lambda: post_trace(server, trace_body(client)).status_code == 200, 15.0)
 
 
 def process_of(server: Server, marker: str) -> psutil.Process:

@@ -53,7 +53,7 @@ def test_a_short_load_of_every_kind_is_answered_right(engines, monkeypatch) -> N
     the workers' applied check on: every kind of the mix answered, none wrong."""
     engines.release()  # one engine at a time on this machine
     monkeypatch.setenv("VINTERP_CHECK_APPLIED", "1")  # the server's environment
-    rows, details = serve_load.run(
+    _, details = serve_load.run(
         str(bundled()),
         clients=4,
         seconds=45,
@@ -61,7 +61,6 @@ def test_a_short_load_of_every_kind_is_answered_right(engines, monkeypatch) -> N
         flags=["--enforce-eager"],
         prompts=2,
     )
-    assert rows == []  # no plain vLLM server asked for
     for kind in load_mix.KINDS:
         assert details["kinds"][kind]["ok"] > 0, kind
     assert details["disconnected"] > 0

@@ -1,7 +1,9 @@
 """The `vinterp` body-field middleware around a completions route whose client has left: vLLM
 0.32's route then answers `null`, 0.33's an empty body. Either goes back as it came, and the
-request's captures are still taken from the workers (dropped, never kept). The route and the
-engine client stand in for vLLM's (no engine here; tests/test_serve.py runs the real server)."""
+request's captures are still taken from the workers (dropped, never kept). Around any other
+route, a body declared over the size limit is refused before the route reads it. The routes
+and the engine client stand in for vLLM's (no engine here; tests/test_serve.py and
+tests/test_serve_faults.py run the real server)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from transformers import LlamaConfig
 
+from vinterp.serve import limits
 from vinterp.serve.fields import vinterp_fields
+from vinterp.serve.limits import ServeLimits
 
 
 class EngineClient:
@@ -51,3 +55,23 @@ def test_a_route_whose_client_left_goes_back_as_it_came_and_its_captures_are_dro
         answer = client.post("/v1/completions", json=body)
     assert answer.status_code == 200 and answer.content == left.body
     assert [method for method, _ in engine.calls] == ["vinterp_take_captures"]
+
+
+def test_a_body_declared_over_the_limit_is_refused_on_any_route(monkeypatch) -> None:
+    """The middleware refuses it from its Content-Length before the route (here vLLM's
+    `/tokenize`, which reads bodies itself) is reached."""
+    monkeypatch.setenv(limits.ENV, ServeLimits(body_bytes=1000).model_dump_json())
+    reached = []
+
+    async def tokenize(request: Any) -> Response:
+        reached.append(await request.body())
+        return JSONResponse({"tokens": []})
+
+    app = Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])])
+    app.add_middleware(BaseHTTPMiddleware, dispatch=vinterp_fields)
+    with TestClient(app) as client:
+        refused = client.post("/tokenize", content=b"x" * 1001)
+        assert refused.status_code == 413 and "--max-body-mb" in refused.json()["error"]["message"]
+        assert not reached
+        assert client.post("/tokenize", content=b"x" * 1000).status_code == 200
+    assert reached == [b"x" * 1000]

@@ -4,6 +4,7 @@ A middleware of vLLM's own server (its `--middleware` entry point, no fork): it 
 field as data (specs from their JSON form, checked against the served model), hands it to the
 workers through `vllm_xargs` (vLLM's field for extensions), and adds the captured rows to the
 response. A bad field is a 400 that names the problem; nothing from the client is executed.
+It also refuses, on every route, a body whose declared size is over `--max-body-mb` (413).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vinterp.engine.vllm_engine import unapplied_error
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, read_body
+from vinterp.serve.limits import LimitError, check_declared_size, read_body
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
@@ -85,11 +86,17 @@ def _bad_request(message: str) -> JSONResponse:
 
 
 async def vinterp_fields(request: Request, call_next: Any) -> Response:
-    """vLLM `--middleware`: steering and capture from the body field, captures back."""
+    """vLLM `--middleware`: any route's body declared over the size limit refused (413),
+    steering and capture from the body field, captures back."""
+    limit = limits.current()
+    try:
+        check_declared_size(request, limit)
+    except LimitError as exc:
+        return exc.response()
     if request.method != "POST" or request.url.path not in PATHS:
         return await call_next(request)
     try:
-        body = json.loads(await read_body(request, limits.current()))
+        body = json.loads(await read_body(request, limit))
     except LimitError as exc:
         return exc.response()
     except ValueError:

@@ -7,7 +7,8 @@ Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allow
 trace arrives as the graph's wire form in JSON: data, validated against the whitelist and
 the server's limits (`serve/limits.py`) before anything reaches the engine; nothing from the
 client is executed or unpickled. Every malformed request gets a 400 that names the problem, a
-body over the limit a 413, a trace over its key's running traces a 429.
+body over the limit a 413, one too slow to arrive a 408, a trace over its key's running traces
+a 429.
 """
 
 from __future__ import annotations
