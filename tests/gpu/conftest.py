@@ -15,13 +15,15 @@ that sends the last part or a later one):
 Each engine start costs a minute or more (over 4 minutes for the first compile on a fresh
 machine) and a call at most 10: with VINTERP_GPU_KEEP set, each engine's results are kept
 in that folder as soon as it has run, and a later run of the same command (on the same warm
-machine) loads them instead of starting that engine again. So rerun the command until it
-passes the time limit; `-k` picks tests, and only the engines they need start (e.g.
+machine, with the same vLLM, torch and source of vinterp and the tests) loads them instead of
+starting that engine again. So rerun the command until it passes the time limit; `-k` picks
+tests, and only the engines they need start (e.g.
 `-k "not plain and not in_graph"`: the vinterp engines with and without graphs only).
 
 Environment:
   VINTERP_GPU_OUT=DIR       write each module's checks (with their numbers), tokens and
-                            timings to DIR/gpu_check.json and DIR/gpu_parallel.json
+                            timings to DIR/<module>.json (gpu_check, gpu_attention,
+                            gpu_parallel, gpu_extract)
   VINTERP_GPU_KEEP=DIR      keep and reuse each engine's results (see above)
   VINTERP_GPU_MODEL         test_gpu_check's model: bundled (default), llama1b (a random
                             Llama of ~1B parameters, LLAMA_1B below) or a checkpoint path
@@ -182,8 +184,8 @@ class Report:
     """A module's checks (each recorded, then asserted by the test) and what its engines
     gave; written to $VINTERP_GPU_OUT/<name>.json when the module ends."""
 
-    def __init__(self, name: str, model: Path) -> None:
-        self.name, self.model = name, model
+    def __init__(self, name: str, model: Path | None, module: Path) -> None:
+        self.name, self.model, self.module = name, model, module
         self.checks: list[dict[str, Any]] = []
         self.data: dict[str, Any] = {}
 
@@ -194,16 +196,21 @@ class Report:
 
     def kept(self, engine: str, run: Callable[[], Any]) -> Any:
         """run() (one engine's results); with VINTERP_GPU_KEEP, saved there once run and
-        loaded by later runs of the same module, model and settings instead of running."""
+        loaded instead of running by later runs of the same module and model, with the same
+        settings, vLLM and torch versions and source (`source_digest`)."""
         keep = os.environ.get("VINTERP_GPU_KEEP")
         if not keep:
             return run()
-        settings = [str(self.model), DTYPE] + [
+        import vllm
+
+        settings = [str(self.model), DTYPE, vllm.__version__, torch.__version__] + [
             f"{k}={os.environ.get(k, '')}"
             for k in ("VINTERP_CHECK_APPLIED", "VLLM_USE_V2_MODEL_RUNNER")
         ]
+        settings.append(source_digest(self.module))
         digest = hashlib.sha256("\n".join(settings).encode()).hexdigest()[:12]
-        file = Path(keep) / f"{self.name}-{self.model.name}-{digest}-{engine}.pt"
+        model = self.model.name if self.model else "models"
+        file = Path(keep) / f"{self.name}-{model}-{digest}-{engine}.pt"
         if file.exists():
             return torch.load(file, weights_only=False)
         result = run()
@@ -222,7 +229,26 @@ class Report:
         print(f"written {path}")
 
 
-def machine(model: Path) -> dict[str, Any]:
+def source_digest(module: Path) -> str:
+    """A digest of the code whose results VINTERP_GPU_KEEP keeps: the imported vinterp
+    package's source (wherever it was imported from: a checkout, edited or not, or a snapshot
+    without git), the test module, this file and the prompts."""
+    import vinterp
+
+    package = Path(vinterp.__file__).parent
+    files = [(p.relative_to(package), p) for p in sorted(package.rglob("*.py"))]
+    files += [
+        (p.name, p)
+        for p in (module, Path(__file__), Path(__file__).parents[1] / "sample_prompts.py")
+    ]
+    digest = hashlib.sha256()
+    for name, path in files:
+        digest.update(f"{name}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def machine(model: Path | None) -> dict[str, Any]:
     """Where and how the module ran."""
     import importlib.metadata
 
@@ -245,7 +271,7 @@ def machine(model: Path) -> dict[str, Any]:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "dtype": DTYPE,
-        "model": str(model),
+        "model": str(model) if model else "each check's own",
         "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "vllm default",
         "check_applied": os.environ.get("VINTERP_CHECK_APPLIED", "") not in ("", "0"),
     }
@@ -259,11 +285,14 @@ def gpu() -> Gpu:
 @pytest.fixture(scope="module")
 def report(request: pytest.FixtureRequest, engines: Any) -> Iterator[Report]:
     """The module's report; its model is the module's `MODEL_ENV` setting (else
-    `DEFAULT_MODEL`). The shared engine of the other tests is stopped first: these start
-    their own, one at a time."""
+    `DEFAULT_MODEL`); a module without `MODEL_ENV` runs several models and names each in its
+    checks. The shared engine of the other tests is stopped first: these start their own,
+    one at a time."""
     engines.release()
     module = request.module
-    model = Gpu.model(os.environ.get(module.MODEL_ENV) or module.DEFAULT_MODEL)
-    report = Report(module.__name__.removeprefix("test_"), model)
+    model = None
+    if hasattr(module, "MODEL_ENV"):
+        model = Gpu.model(os.environ.get(module.MODEL_ENV) or module.DEFAULT_MODEL)
+    report = Report(module.__name__.removeprefix("test_"), model, Path(module.__file__))
     yield report
     report.write()

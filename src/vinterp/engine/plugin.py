@@ -4,14 +4,22 @@ vLLM calls `register()` once per process (a forked worker inherits its parent's 
 the decision cannot be made there: the patched `load_model` installs the sites only in
 engines whose config carries vinterp's `additional_config` key. Plain vLLM engines — in
 the same process as vinterp ones, or with vinterp merely installed — are unaffected.
+
+vLLM does not catch a plugin's errors: an import of runner modules that a vLLM release moved
+would end every vLLM process. On a vLLM outside the supported range (`SUPPORTED_VLLM`) the
+plugin patches nothing and logs one warning; vinterp engines are refused at their start
+(`check_vllm_version`), plain ones run as without vinterp.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from vinterp.engine.config_keys import CONFIG_KEY
+
+log = logging.getLogger(__name__)
 
 
 def wants_sites(runner: Any) -> bool:
@@ -38,7 +46,15 @@ def _patch_load_model(runner_cls: Any) -> None:
 
 def register() -> None:
     """Patch the model runners' `load_model` (it installs sites only for vinterp engines); on
-    the CPU, let vLLM load the compiled model it saved."""
+    the CPU, let vLLM load the compiled model it saved. On a vLLM outside the supported range:
+    nothing but a warning naming the range."""
+    from vinterp.engine.vllm_engine import check_vllm_version
+
+    try:
+        check_vllm_version()
+    except RuntimeError as unsupported:
+        log.warning("vinterp's vLLM plugin patches nothing: %s", unsupported)
+        return
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
