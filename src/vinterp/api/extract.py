@@ -60,9 +60,12 @@ log = logging.getLogger(__name__)
 # the shard writers (`vinterp bench` reports it beside the run's time).
 WRITERS_WAITED = "writers_waited_s"
 BUFFER_GB = 2.0  # host memory for the shards in flight, unless told
+# Shards queued for a writer thread, their rows already asked for: the take's round trip to
+# the workers overlaps the writes in progress, so a thread that frees finds rows on their way.
+QUEUED_SHARDS = 2
 # Shards of host memory in hand at once: each the writer holds (`WRITER_THREADS` being
-# written, one queued), as captured rows and as columns where these are copies of them.
-SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + 1)
+# written, `QUEUED_SHARDS` queued), as captured rows and as columns where these are copies.
+SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + QUEUED_SHARDS)
 # A shard holds the prompts of at most this many full engine steps, so that writing it
 # overlaps the engine's next steps from early on and the last write after the engine is done
 # is short.
@@ -219,7 +222,7 @@ def run(
         tqdm(
             total=source.count, initial=start, desc="extract", unit="prompt", disable=not use_tqdm
         ) as bar,
-        ShardWriter(store) as writer,
+        ShardWriter(store, queued=QUEUED_SHARDS) as writer,
     ):
 
         def write_finished() -> None:
