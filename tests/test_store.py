@@ -282,6 +282,40 @@ def test_shards_put_after_a_failed_one_are_dropped_not_built(tmp_path: Path) -> 
     assert store.manifest.shards == [] and not list(tmp_path.glob("data-*"))
 
 
+def test_after_a_manifest_that_cannot_be_saved_later_shards_are_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing a written shard fails (the disk filled between its file and the manifest):
+    the shards not yet begun are dropped as after a failed write, never built."""
+    store = open_store(tmp_path)
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "save", full_disk)
+    go = threading.Event()
+    built: list[int] = []
+    dropped: list[int] = []
+    writer = ShardWriter(store, threads=1, queued=3)
+
+    def build(start: int) -> dict[str, np.ndarray]:
+        built.append(start)
+        if start == 0:  # once every shard is put
+            assert go.wait(10)
+        if start == 1:  # written on the one thread while shard 0 is being listed
+            writer._failed.wait(5)  # the listing's failure has been recorded
+        return rows(start, start + 1)
+
+    for start in (0, 1, 2):
+        shard = partial(PendingShard, start, start + 1, partial(build, start))
+        writer.put(partial(shard, drop=partial(dropped.append, start)))
+    go.set()
+    with pytest.raises(StoreError, match="No space left on device"):
+        writer.close()
+    assert built == [0, 1] and dropped == [2]
+    assert store.manifest.shards == []
+
+
 # -- site values in their stored dtype -----------------------------------------------------
 
 # Per stored dtype: the signed integer type of its width, and the bit patterns of +-0, the

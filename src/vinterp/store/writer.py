@@ -105,6 +105,11 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the first error (in shard order); the shards not yet begun are dropped."""
+        self._error = self._error or exc
+        self._failed.set()
+
     def _write(self, index: int, shard: PendingShard) -> ShardEntry | None:
         """Build and write one shard's file (on a pool thread), or only drop it after an
         error. The captured data `build` holds is let go before the write, so it is not held
@@ -140,8 +145,7 @@ class ShardWriter:
                 try:
                     entry = future.result()
                 except BaseException as exc:
-                    self._error = self._error or exc
-                    self._failed.set()
+                    self._fail(exc)
                     continue
                 if self._error is None and entry is not None:
                     entries.append(entry)
@@ -149,6 +153,6 @@ class ShardWriter:
                 if entries:
                     self.store.add(entries)
             except BaseException as exc:
-                self._error = exc
+                self._fail(exc)
             for _ in batch:
                 self._slots.release()
