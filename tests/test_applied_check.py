@@ -75,7 +75,7 @@ def test_the_compiled_ops_count_exactly_the_rows_they_change() -> None:
         requests, layout = random_step(rng)
         assert not state.plan(requests)
         num_tokens = layout[-1][2]
-        state.write(layout, num_tokens)
+        state.write(lambda: layout, num_tokens)
         check.begin()
         out = compiled(torch.zeros(PADDED, H))
         # the reference is the ops' effect: the rows each site changed
@@ -111,7 +111,7 @@ def test_a_site_that_did_not_run_is_reported() -> None:
         False,
     )
     assert not state.plan([SteeredRequest("a", 0, 3, RequestSteering((spec,), 3))])
-    state.write([("a", 0, 3)], 3)
+    state.write(lambda: [("a", 0, 3)], 3)
     capture.write(
         {site: SiteCapture(torch.tensor([2]), []), missing: SiteCapture(torch.tensor([2]), [])}
     )

@@ -184,6 +184,52 @@ def test_private_read_checker_sees_a_read() -> None:
         del TREES["probe"], DEFINED["probe"]
 
 
+def imports_vllm(name: str) -> list[int]:
+    """Lines of module `name` that import vLLM (anywhere in the file)."""
+    found = []
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Import):
+            found += [node.lineno for a in node.names if a.name.split(".")[0] == "vllm"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            found.append(node.lineno)
+    return found
+
+
+def test_only_engine_imports_vllm_and_only_the_boundary_reaches_its_internals() -> None:
+    """engine/ is the vLLM adapter; inside it, vllm_boundary/ holds every hook and internal
+    read, and the other engine modules use vLLM's public API (`vllm.LLM`, `SamplingParams`,
+    its engine arguments and server)."""
+    outside = [f"{n}:{line}" for n in SOURCES if part(n) != "engine" for line in imports_vllm(n)]
+    assert outside == []
+    public = (  # the engines, the platform, and `vllm serve`'s entry and argument parser
+        "vllm.engine.arg_utils",
+        "vllm.v1.engine.async_llm",
+        "vllm.platforms",
+        "vllm.entrypoints.",
+        "vllm.logger",
+        "vllm.utils.argparse_utils",
+    )
+    internal = []
+    for name in SOURCES:
+        if part(name) != "engine" or name.startswith("vinterp.engine.vllm_boundary"):
+            continue
+        for node in ast.walk(TREES[name]):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [module]
+            for m in modules:
+                if m and m.split(".")[0] == "vllm" and m != "vllm" and not m.startswith(public):
+                    internal.append(f"{name}:{node.lineno} {m}")
+    assert internal == []
+
+
+def test_vllm_import_finder_sees_an_import() -> None:
+    TREES["probe"] = ast.parse("def f():\n    from vllm.distributed import get_pp_group\n")
+    try:
+        assert imports_vllm("probe") == [2]
+    finally:
+        del TREES["probe"]
+
+
 def test_no_module_named_by_speed() -> None:
     assert [name for name in SOURCES if "fast" in name.split(".")[-1]] == []
 

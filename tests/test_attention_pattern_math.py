@@ -109,7 +109,7 @@ def test_other_indexes_index_the_whole_pattern() -> None:
 
 
 def test_kept_keys_grow_by_steps_and_a_recomputed_request_replaces_them() -> None:
-    from vinterp.runtime.worker_runtime import KeptKeys
+    from vinterp.runtime.attention_keys import KeptKeys
 
     keys = torch.randn(30, KV_HEADS, HEAD_DIM)
     kept = KeptKeys()

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.platforms import current_platform
 
-from vinterp.engine.eager_kernels import _eager_ir_priority, _switched_custom_ops
+from vinterp.engine.vllm_boundary.eager_kernels import _eager_ir_priority, _switched_custom_ops
 
 
 def cuda_rule(vllm_config: object) -> IrOpPriorityConfig:

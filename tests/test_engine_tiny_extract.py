@@ -19,7 +19,7 @@ import torch
 
 from vinterp.api import extract as extract_module
 from vinterp.api.extract import engine_settings
-from vinterp.engine.rpc_later import collective_rpc_later
+from vinterp.engine.vllm_boundary.engine_core_calls import collective_rpc_later
 from vinterp.store import SpecMismatchError, StoreError, files
 
 pytestmark = pytest.mark.engine("tiny")

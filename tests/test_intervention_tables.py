@@ -63,7 +63,7 @@ def buffers(max_rows: int = 8) -> SteerBuffers:
 def steered(state: SteeringPlanner, requests, layout, num_tokens, x, site=SITE) -> torch.Tensor:
     """Plan and write one step, then apply the buffers to x at `site` (reference: by hand)."""
     assert not state.plan(requests)
-    state.write(layout, num_tokens)
+    state.write(lambda: layout, num_tokens)
     return state.buffers(site_index(site), x)
 
 
@@ -85,7 +85,7 @@ def test_steering_rows_follow_phase_positions_and_requests() -> None:
         state.buffers(site_index("layers.0.output"), torch.ones(3, H)), torch.ones(3, H)
     )
     assert not state.plan([])
-    state.write([("a", 0, 3)], 3)
+    state.write(lambda: [("a", 0, 3)], 3)
     assert torch.equal(state.buffers(site_index(SITE), torch.ones(3, H)), torch.ones(3, H))
 
 
@@ -102,11 +102,11 @@ def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> N
     state = SteeringPlanner(buffers(max_rows=2), ORDER)
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
-    state.write([(str(i), i, i + 1) for i in range(3)], 3)
+    state.write(lambda: [(str(i), i, i + 1) for i in range(3)], 3)
     out = state.buffers(site_index(SITE), torch.zeros(3, H))
     assert out[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert not state.plan([])
-    state.write([], 3)
+    state.write(lambda: [], 3)
     assert state.buffers.overflow is None
 
 
@@ -126,10 +126,10 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
     assert torch.equal(fn(x), x)
     for scale in (1.0, 5.0):
         state.plan([request("a", range(2), 0, [steer("all", scale)])])
-        state.write([("a", 0, 2)], 2)
+        state.write(lambda: [("a", 0, 2)], 2)
         assert torch.equal(fn(x), torch.full((2, H), scale))
     state.plan([])
-    state.write([], 2)
+    state.write(lambda: [], 2)
     assert torch.equal(fn(x), x)
     assert len(compiles) == 1
 
@@ -152,7 +152,7 @@ def test_the_site_ops_of_every_layer_compile_to_one_graph() -> None:
     """Two layers with steering and a capture buffer at their outputs: the same graph but for
     its inputs, so vLLM compiles it once, not once per layer (site ids as constants made
     every layer's graph its own)."""
-    from vinterp.engine.site_modules import _add_sites
+    from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.engine.site_ops import SiteCalls
 
     graphs = []
@@ -176,7 +176,7 @@ def test_the_site_ops_of_every_layer_compile_to_one_graph() -> None:
     planner = SteeringPlanner(steer_buffers, ORDER)  # steering one layer reaches that one only
     spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
     assert not planner.plan([request("a", range(3), 0, [spec])])
-    planner.write([("a", 0, 3)], 3)
+    planner.write(lambda: [("a", 0, 3)], 3)
     assert torch.equal(run(layers[0], x), outputs[0])
     assert torch.equal(run(layers[1], x), outputs[1] + 1.0)
 
@@ -454,7 +454,7 @@ def test_decode_steps_follow_the_batch_as_it_changes() -> None:
     for step, (order, steered_ids) in enumerate(steps):
         requests = [request(r, range(10 + step, 11 + step), 5, [spec]) for r in sorted(steered_ids)]
         state.plan(requests)
-        state.write([(r, i, i + 1) for i, r in enumerate(order)], len(order))
+        state.write(lambda: [(r, i, i + 1) for i, r in enumerate(order)], len(order))
         if step == 1:  # not copied again: the value planted after step 0 is still there
             assert int(state.buffers.token_combo[1]) == 7
             state.buffers.token_combo[1] = 0
@@ -497,7 +497,7 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     gate inside it, so the router site runs eagerly, also while a CUDA graph records the step
     (when nothing is captured or steered): its gathers and steering must be recorded then, or
     every replay skips them. The capture is simulated here (the CPU has no CUDA graphs)."""
-    from vinterp.engine.site_modules import _add_sites
+    from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.engine.site_ops import SiteCalls
     from vinterp.interventions import recording
 
@@ -511,14 +511,14 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     )
     steer = SteerBuffers(len(order.sites), H, 16, 8, 8, torch.float32, "cpu")
     called = []
-    calls = SiteCalls(site=lambda site_id, x: called.append(site_id), active=True)
+    calls = SiteCalls(site=lambda site_id, x: called.append(site_id), uncompiled=True)
     gate = torch.nn.Linear(H, experts, bias=False)
     io = {"output_id": logits_id, "experts_id": experts_id, "top_k": top_k}
     _add_sites(gate, steer, capture, calls, "forward", io)
     planner = SteeringPlanner(steer, order)
     spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
     assert not planner.plan([request("a", range(3), 0, [spec])])
-    planner.write([("a", 0, 3)], 3)
+    planner.write(lambda: [("a", 0, 3)], 3)
     layer = torch.tensor([order["layers.1.output"]])
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
     capture.write({site_id: SiteCapture(torch.tensor([2, 0]), []) for site_id in sites})

@@ -37,20 +37,81 @@ def test_plugin_patches_runners_in_a_process_without_vinterp_engines() -> None:
     assert env_free.stdout.strip().endswith("ok")
 
 
-def test_vllm_releases_outside_the_supported_range_are_refused_before_a_start() -> None:
-    from vinterp.engine.vllm_engine import check_vllm_version, vinterp_engine_settings
+def test_only_verified_vllm_releases_start_vinterp_engines(monkeypatch) -> None:
+    from vinterp.engine.vllm_boundary.targets import TRY_VLLM_ENV, version_problem
+    from vinterp.engine.vllm_engine import vinterp_engine_settings
 
-    for version in ("0.32.0", "0.32.1+cpu", "0.32.2.dev3", "0.33.0", "0.33.1"):
-        check_vllm_version(version)
-    for version in ("0.34.0", "0.31.2", "1.0.0", "unknown"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM >= 0\.32, < 0\.34"):
-            check_vllm_version(version)
+    monkeypatch.delenv(TRY_VLLM_ENV, raising=False)
+    for version in ("0.32.0", "0.32.1+cpu", "0.32.2.dev3"):
+        assert version_problem(version) is None
+    for version in ("0.33.0", "0.34.0", "0.31.2", "1.0.0", "unknown"):
+        problem = version_problem(version)
+        assert problem is not None and f"vLLM {version} is not supported" in problem
+        assert "verified on vLLM 0.32" in problem and TRY_VLLM_ENV in problem
+    monkeypatch.setenv(TRY_VLLM_ENV, "0.33")  # a release being verified
+    assert version_problem("0.33.0") is None and version_problem("0.34.0") is not None
     assert vinterp_engine_settings()["enable_prefix_caching"] is False  # this vLLM passes
+
+
+def test_every_declared_target_fits_this_vllm() -> None:
+    from vinterp.engine.vllm_boundary.targets import boundary_problems
+
+    assert boundary_problems("cpu") == [] and boundary_problems("gpu") == []
+
+
+@pytest.mark.parametrize("change", ["removed", "re-signed", "field gone"])
+def test_a_moved_target_stops_a_vinterp_engine_before_it_starts(monkeypatch, change) -> None:
+    """A vLLM whose internals moved: one error naming the version, the hook and the verified
+    releases, raised before any engine process starts (here: by vinterp.LLM itself)."""
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import vinterp
+    from vinterp.engine.vllm_boundary import targets
+
+    if change == "removed":
+        monkeypatch.delattr(GPUModelRunner, "_prepare_inputs")
+        expected = "GPUModelRunner._prepare_inputs is gone"
+    elif change == "re-signed":
+
+        def without_force_eager(self, num_tokens, num_reqs, eager=False):  # type: ignore[no-untyped-def]
+            raise AssertionError("never called")
+
+        monkeypatch.setattr(
+            GPUModelRunner, "_determine_batch_execution_and_padding", without_force_eager
+        )
+        expected = "_determine_batch_execution_and_padding no longer takes force_eager"
+    else:
+        fields = dict(ForwardContext.__dataclass_fields__)
+        del fields["skip_compiled"]
+        monkeypatch.setattr(ForwardContext, "__dataclass_fields__", fields)
+        monkeypatch.setattr(ForwardContext, "__annotations__", {})
+        monkeypatch.delattr(ForwardContext, "skip_compiled", raising=False)
+        expected = "ForwardContext no longer has skip_compiled"
+    targets.forget_checks()
+    try:
+        with pytest.raises(targets.VLLMBoundaryError) as raised:
+            vinterp.LLM(vinterp.models.tiny("llama"))
+        message = str(raised.value)
+        assert expected in message
+        assert f"vLLM {vllm.__version__} does not fit" in message
+        assert "verified on vLLM 0.32" in message
+        # the plugin, in a process where this vLLM does not fit: nothing patched, one warning
+        runner = targets.resolve(targets.CPU_RUNNER)
+        load_model = runner.__dict__["load_model"]
+        monkeypatch.setattr(runner, "load_model", getattr(load_model, "__wrapped__", load_model))
+        plugin.register()
+        assert not getattr(runner.__dict__["load_model"], "_vinterp", False)
+    finally:
+        targets.forget_checks()
 
 
 def test_plugin_patches_nothing_on_a_vllm_outside_the_supported_range(monkeypatch, caplog) -> None:
     """vLLM lets a plugin's error end the process: on an unsupported release whose runner
-    modules moved, register() must return with one warning naming the range, not raise."""
+    modules moved, register() must return with one warning naming the verified releases, not
+    raise."""
+    from vinterp.engine.vllm_boundary import targets
+
     # the runner modules register() imports, as a release that moved them would have them
     for module in (
         "vllm.v1.worker.cpu_model_runner",
@@ -58,13 +119,13 @@ def test_plugin_patches_nothing_on_a_vllm_outside_the_supported_range(monkeypatc
         "vllm.v1.worker.gpu.model_runner",
     ):
         monkeypatch.setitem(sys.modules, module, None)
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    with pytest.raises(ImportError):  # a supported release reaches the moved modules
-        plugin.register()
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
-        plugin.register()
-    warnings = [r for r in caplog.records if r.name == plugin.__name__]
-    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert "vLLM 0.34.0 is not supported" in warnings[0].getMessage()
-    assert ">= 0.32, < 0.34" in warnings[0].getMessage()
+    for version in ("0.32.0", "0.34.0"):  # a verified release whose modules moved; another
+        monkeypatch.setattr(vllm, "__version__", version)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+            plugin.register()
+        warnings = [r for r in caplog.records if r.name == plugin.__name__]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert f"vLLM {version}" in warnings[0].getMessage()
+        assert "verified on vLLM 0.32" in warnings[0].getMessage()
+    targets.forget_checks()

@@ -13,6 +13,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     pad_vocab_size,
 )
 
+from vinterp.engine.vllm_boundary.layers import vocab_rows
 from vinterp.runtime.tensor_parallel import _column_parts, _rank_heads, _vocab_rows, _whole_heads
 
 
@@ -67,9 +68,9 @@ def test_vocab_rows_drop_padding(tp, vocab) -> None:
         org_vocab_size=vocab,
         _get_indices=VocabParallelEmbedding._get_indices,
     )
-    assert torch.equal(_vocab_rows(layer, shards, dim=0), full)
+    assert torch.equal(_vocab_rows(layer, shards, 0, vocab_rows), full)
     logits = [s.t() for s in shards]  # (3, per_rank): vocab along the last axis
-    assert torch.equal(_vocab_rows(layer, logits, dim=-1), full.t())
+    assert torch.equal(_vocab_rows(layer, logits, -1, vocab_rows), full.t())
 
 
 @pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (4, 2), (4, 1), (2, 4)])

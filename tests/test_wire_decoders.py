@@ -34,11 +34,11 @@ from hypothesis import strategies as st
 
 import vinterp
 from vinterp.api.requests import Prepared
+from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.interventions.specs import decode_request
 from vinterp.ir.graph import NODE_KINDS
 from vinterp.ir.ops import ALL_OPS
 from vinterp.ir.plan import PlanError, make_plan
-from vinterp.runtime.pipeline import last_stage_start
 from vinterp.serve.fields import parse_field
 from vinterp.serve.limits import ServeLimits
 from vinterp.serve.routes import BadRequest, decode_trace

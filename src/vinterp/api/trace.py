@@ -24,7 +24,7 @@ from vinterp.ir.graph import STEP_ZERO, Block, Graph, Invoke, Node, decode_arg, 
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.executor import TraceResult
-from vinterp.runtime.pipeline import last_stage_start
+from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import PATTERN, UnknownSiteError, parse_site
 from vinterp.sites.params import param_shape, parse_param

@@ -40,6 +40,7 @@ from vinterp.bench.harness import (
     timed_interleaved,
 )
 from vinterp.bench.peers.batching import batches
+from vinterp.engine.plain_vllm import greedy_params
 from vinterp.bench.workloads import (
     EXTRACT_HF,
     EXTRACT_LAYERS_ALL,
@@ -221,9 +222,7 @@ def plain_prefill(
     model: str | Path, dtype: str, texts: list[str], repeats: int, **engine_kwargs: Any
 ) -> Timing:
     """Plain vLLM's prefill of `texts`: `generate(texts, SamplingParams(max_tokens=1))`."""
-    import vllm
-
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
+    params = greedy_params(1)
     with plain_vllm(model, dtype, **engine_kwargs) as llm:
         call = partial(llm.generate, texts, params, use_tqdm=False)
         warm = partial(llm.generate, warm_up(texts), params, use_tqdm=False)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from vinterp.bench import pipeline, serve_load, trace_invokes
+from vinterp.engine.plain_vllm import greedy_params, shutdown_plain_vllm, start_plain_vllm
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -89,26 +90,11 @@ def plain_vllm(
 ) -> Iterator[Any]:
     """A `vllm.LLM` without vinterp's plugin or site ops, with vinterp's engine settings
     (and `engine_kwargs`); shut down (and memory freed) when the block ends."""
-    import vllm
-
-    from vinterp.engine.platform_settings import configure_engine_environment
-
-    world = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get(
-        "pipeline_parallel_size", 1
-    )
-    configure_engine_environment(world)
-    llm = vllm.LLM(
-        model=str(model),
-        dtype=dtype,
-        enable_prefix_caching=False,
-        seed=0,
-        enforce_eager=enforce_eager,
-        **engine_kwargs,
-    )
+    llm = start_plain_vllm(model, dtype, enforce_eager, **engine_kwargs)
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_plain_vllm(llm)
         del llm
         free_memory()
 
@@ -199,9 +185,7 @@ def plain_engine(
     **engine_kwargs: Any,
 ) -> Engine:
     """Plain vLLM generating `max_tokens` greedy tokens per prompt, as workload `name`."""
-    import vllm
-
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = greedy_params(max_tokens, ignore_eos=True)
     key = EAGER if enforce_eager else "plain"
     return Engine(
         lambda: plain_vllm(model, dtype, enforce_eager, **engine_kwargs),

@@ -6,9 +6,9 @@ engines whose config carries vinterp's `additional_config` key. Plain vLLM engin
 the same process as vinterp ones, or with vinterp merely installed — are unaffected.
 
 vLLM does not catch a plugin's errors: an import of runner modules that a vLLM release moved
-would end every vLLM process. On a vLLM outside the supported range (`SUPPORTED_VLLM`) the
-plugin patches nothing and logs one warning; vinterp engines are refused at their start
-(`check_vllm_version`), plain ones run as without vinterp.
+would end every vLLM process. So the plugin first checks the boundary (`vllm_boundary.targets`):
+where this vLLM does not fit vinterp's hooks it patches nothing and logs one warning; vinterp
+engines are refused at their start (`check_boundary`), plain ones run as without vinterp.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from vinterp.engine.config_keys import CONFIG_KEY
+from vinterp.engine.vllm_boundary import targets
 
 log = logging.getLogger(__name__)
 
@@ -46,27 +47,19 @@ def _patch_load_model(runner_cls: Any) -> None:
 
 def register() -> None:
     """Patch the model runners' `load_model` (it installs sites only for vinterp engines); on
-    the CPU, let vLLM load the compiled model it saved. On a vLLM outside the supported range:
-    nothing but a warning naming the range."""
-    from vinterp.engine.vllm_engine import check_vllm_version
-
-    try:
-        check_vllm_version()
-    except RuntimeError as unsupported:
-        log.warning("vinterp's vLLM plugin patches nothing: %s", unsupported)
+    the CPU, let vLLM load the compiled model it saved. Where this vLLM does not fit the hooks:
+    nothing but a warning that says why."""
+    platform = targets.current_platform_name()
+    problems = targets.boundary_problems(platform)
+    if problems:
+        message = targets.boundary_message(targets.vllm_version(), problems)
+        log.warning("vinterp's vLLM plugin patches nothing: %s", message)
         return
-    from vllm.platforms import current_platform
+    if platform == "cpu":
+        from vinterp.engine.vllm_boundary.cpu_compile_cache import patch_aot_loading
 
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        from vinterp.engine.cpu_compile_cache import patch_aot_loading
-
-        _patch_load_model(CPUModelRunner)
+        _patch_load_model(targets.resolve(targets.CPU_RUNNER))
         patch_aot_loading()
     else:  # both GPU runners: V2 (vLLM's default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0)
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        _patch_load_model(GPUModelRunner)
-        _patch_load_model(V2Runner)
+        _patch_load_model(targets.resolve(targets.V1_RUNNER))
+        _patch_load_model(targets.resolve(targets.V2_RUNNER))

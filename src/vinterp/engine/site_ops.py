@@ -37,17 +37,18 @@ PatternHandler = Callable[[int, torch.Tensor, torch.Tensor, PatternMath], None]
 
 @dataclass
 class SiteCalls:
-    """One runner's site handlers and whether the current step calls them (bound and set by
-    the runner hooks, before each step from the runtime's `StepMode`)."""
+    """One runner's site handlers and whether the current step calls them: it runs
+    uncompiled (bound and set by the runner hooks, before each step from the runtime's
+    `StepMode`)."""
 
     site: SiteHandler | None = None
     stream: StreamHandler | None = None
     pattern: PatternHandler | None = None
-    active: bool = False
+    uncompiled: bool = False
 
 
 def _calling(calls: SiteCalls | None) -> bool:
-    return not ops_recorded() and calls is not None and calls.active
+    return not ops_recorded() and calls is not None and calls.uncompiled
 
 
 def plain_site(

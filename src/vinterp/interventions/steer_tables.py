@@ -10,6 +10,7 @@ combinations changed. Per request, the work is a dictionary lookup in decode ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,20 +154,23 @@ class SteeringPlanner:
         self.plan_ = plan
         return plan.overflow
 
-    def write(self, layout: list[tuple[str, int, int]], num_tokens: int) -> None:
-        """Fill the buffers for this step's batch: (req id, first row, end row) per request."""
+    def write(self, layout: Callable[[], list[tuple[str, int, int]]], num_tokens: int) -> None:
+        """Fill the buffers for this step's batch: `layout()` gives (req id, first row, end
+        row) per request, asked for only when something is steered."""
         plan = self.plan_
-        if self._written is not None and self._written[0] is plan and self._written[1] == layout:
-            return
-        self._written = (plan, layout)
-        self._step_tables = None
         if plan is None:
+            self._written = self._step_tables = None
             if len(self._on_device):
                 self.buffers.token_combo[: len(self._on_device)].zero_()
                 self._on_device = np.zeros(0, dtype=np.int64)
             return
+        rows = layout()
+        if self._written is not None and self._written[0] is plan and self._written[1] == rows:
+            return
+        self._written = (plan, rows)
+        self._step_tables = None
         token_combo = np.zeros(max(num_tokens, len(self._on_device)), dtype=np.int64)
-        for req_id, start, end in layout:
+        for req_id, start, end in rows:
             ids = plan.combos.get(req_id)
             if ids is not None:
                 token_combo[start:end] = ids

@@ -24,15 +24,6 @@ from vinterp.runtime.executor import Failure, TraceRun
 DATA, INDEX = "vinterp:data", "vinterp:index"
 
 
-def last_stage_start(num_layers: int, pipeline_size: int) -> int | None:
-    """The first layer of the last pipeline stage (vLLM's own split), None without stages."""
-    if pipeline_size == 1:
-        return None
-    from vllm.distributed.utils import get_pp_indices
-
-    return get_pp_indices(num_layers, pipeline_size - 1, pipeline_size)[0]
-
-
 def exports_of(run: TraceRun, last_position: int) -> dict[int, list[int]]:
     """Per invoke: the nodes whose value exists by the end of a stage (anchored at or before
     its last site) and that a node of that invoke anchored on a later stage consumes (the
@@ -81,15 +72,10 @@ class StageValues:
                 values[f"{slot.trace_id}:{slot.invoke}:{node_id}"] = value
         return _to_bytes(values) if values else {}
 
-    def take(self, received: Any) -> None:
-        """Remove vinterp's values from the IntermediateTensors a stage received (vLLM's V1
-        runner copies every key it gets into its own buffers) and keep them for this step.
+    def take(self, received: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Keep the values (bytes, index) the previous stage sent with this step, if any.
         Runs every step: the previous stage may send values that this one no longer wants."""
-        arrived = object.__getattribute__(received, "tensors")  # keys known before the data
-        self.received = {}
-        if DATA in arrived:
-            tensors = received.tensors  # waits for the transfer (and its TP all-gather)
-            self.received = _from_bytes(tensors.pop(DATA), tensors.pop(INDEX))
+        self.received = {} if received is None else _from_bytes(*received)
 
     def deliver(self, slots: Iterable[Any]) -> None:
         """Put the received values into their traces, as if read on this stage."""

@@ -8,10 +8,15 @@ padding. A trace must read the same tensor at any TP size (nnsight once returned
 token's lm_head row on the rank that did not own it), so every value leaves here whole and in
 HF order. The gathers are collectives: every rank of the group runs them, in the same order,
 which holds because all TP ranks run the same trace graph on the same steps.
+
+The group and the kinds of vLLM's sharded layers come from the engine (`ParallelLayout`):
+runtime/ does not import vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,33 +26,21 @@ from vinterp.sites.names import UnknownSiteError
 from vinterp.sites.params import parse_param
 
 
-def _tp_size() -> int:
-    from vllm.distributed import get_tensor_model_parallel_world_size
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This worker's place in the engine's parallel groups and how its layers are sharded, as
+    the engine reports them (`engine.vllm_boundary.parallel`)."""
 
-    return get_tensor_model_parallel_world_size()
-
-
-def per_rank(local: torch.Tensor) -> list[torch.Tensor]:
-    """Every TP rank's `local` (same shape on each), in rank order."""
-    if _tp_size() == 1:
-        return [local]
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    stacked = tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0)
-    return list(stacked.unbind(0))
-
-
-def _column_kind(layer: nn.Module) -> str | None:
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    if isinstance(layer, ColumnParallelLinear):
-        return "column"
-    if isinstance(layer, RowParallelLinear):
-        return "row"
-    if isinstance(layer, VocabParallelEmbedding):
-        return "vocab"
-    return None
+    tp_size: int = 1
+    tp_rank: int = 0
+    # every TP rank's tensor stacked on a new first axis (a collective); unused at tp_size 1
+    stack_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # "column", "row", "vocab" or None: how vLLM shards a layer
+    layer_kind: Callable[[nn.Module], str | None] = lambda layer: None
+    # the real (unpadded) rows of rank `rank`'s block of a vocab-parallel layer
+    vocab_rows: Callable[[nn.Module, int, int], int] | None = None
+    is_last_stage: bool = True
+    pipeline_size: int = 1
 
 
 def _column_parts(layer: nn.Module, shards: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
@@ -83,58 +76,18 @@ def _rank_heads(whole: torch.Tensor, local: int, rank: int, tp: int) -> torch.Te
     return whole[:, first : first + local]
 
 
-def full_heads(local: torch.Tensor, heads: int) -> torch.Tensor:
-    """A per-head site's (T, heads, head_dim) from this rank's slice of its heads."""
-    return _whole_heads(per_rank(local), heads)
-
-
-def own_heads(whole: torch.Tensor, local: int) -> torch.Tensor:
-    """This rank's `local` heads of a per-head site's whole (T, heads, head_dim) value."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return _rank_heads(whole, local, get_tensor_model_parallel_rank(), _tp_size())
-
-
-def _vocab_rows(layer: nn.Module, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+def _vocab_rows(
+    layer: nn.Module,
+    shards: list[torch.Tensor],
+    dim: int,
+    real_rows: Callable[[nn.Module, int, int], int],
+) -> torch.Tensor:
     """The real vocabulary rows of a vocab-parallel tensor, padding dropped, along `dim`."""
-    pieces = []
-    for rank, shard in enumerate(shards):
-        indices = layer._get_indices(
-            layer.num_embeddings_padded,
-            layer.org_vocab_size_padded,
-            layer.num_embeddings,
-            layer.org_vocab_size,
-            rank,
-            len(shards),
-        )
-        pieces.append(shard.narrow(dim, 0, indices.num_org_elements))
+    pieces = [
+        shard.narrow(dim, 0, real_rows(layer, rank, len(shards)))
+        for rank, shard in enumerate(shards)
+    ]
     return torch.cat(pieces, dim=dim)
-
-
-def full_output(layer: nn.Module, local: torch.Tensor) -> torch.Tensor:
-    """A layer's output as one device would compute it (column-parallel: gathered, merged
-    parts in HF order q|k|v, gate|up; others: unchanged)."""
-    if _column_kind(layer) != "column" or getattr(layer, "gather_output", False):
-        return local
-    if getattr(layer, "tp_size", 1) == 1:
-        return local
-    return torch.cat(_column_parts(layer, per_rank(local), dim=-1), dim=-1)
-
-
-def full_input(layer: nn.Module, local: torch.Tensor) -> torch.Tensor:
-    """A layer's input as one device would see it (row-parallel: gathered)."""
-    if _column_kind(layer) != "row" or getattr(layer, "tp_size", 1) == 1:
-        return local
-    if not getattr(layer, "input_is_parallel", True):  # the layer splits a whole input itself
-        return local
-    return torch.cat(per_rank(local), dim=-1)
-
-
-def full_logits(lm_head: nn.Module, local: torch.Tensor) -> torch.Tensor:
-    """`x @ lm_head.weight.T` computed on this rank's vocab block -> the whole vocabulary."""
-    if _column_kind(lm_head) != "vocab":
-        return local
-    return _vocab_rows(lm_head, per_rank(local), dim=-1)
 
 
 def _local_weight(layer: nn.Module) -> torch.Tensor:
@@ -147,35 +100,81 @@ def _local_weight(layer: nn.Module) -> torch.Tensor:
     return weight
 
 
-def full_weight(layer: nn.Module, part: int | None = None) -> torch.Tensor:
-    """A layer's weight in its HF shape; `part` picks q/k/v or gate/up of a merged layer."""
-    weight = _local_weight(layer)
-    kind = _column_kind(layer)
-    if kind == "vocab":
-        return _vocab_rows(layer, per_rank(weight), dim=0)
-    sharded = getattr(layer, "tp_size", 1) > 1
-    if kind == "row" and sharded:
-        return torch.cat(per_rank(weight), dim=1)
-    if kind == "column":
-        parts = _column_parts(layer, per_rank(weight) if sharded else [weight], dim=0)
-        return parts[part] if part is not None else torch.cat(parts, dim=0)
-    return weight
+class TensorParallel:
+    """Whole values from this rank's shards (and back), for one worker's `ParallelLayout`."""
 
+    def __init__(self, layout: ParallelLayout) -> None:
+        self.layout = layout
 
-def full_raw(module: nn.Module, which: str, value: Any) -> Any:
-    """A raw site's native value (a tensor, or vLLM's (output, bias) pair) made whole."""
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return [full_raw(module, which, value[0]), *value[1:]]
-    if not isinstance(value, torch.Tensor):
-        return value
-    return full_output(module, value) if which == "output" else full_input(module, value)
+    def per_rank(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's `local` (same shape on each), in rank order."""
+        if self.layout.tp_size == 1 or self.layout.stack_ranks is None:
+            return [local]
+        return list(self.layout.stack_ranks(local.unsqueeze(0).contiguous()).unbind(0))
 
+    def full_heads(self, local: torch.Tensor, heads: int) -> torch.Tensor:
+        """A per-head site's (T, heads, head_dim) from this rank's slice of its heads."""
+        return _whole_heads(self.per_rank(local), heads)
 
+    def own_heads(self, whole: torch.Tensor, local: int) -> torch.Tensor:
+        """This rank's `local` heads of a per-head site's whole (T, heads, head_dim) value."""
+        return _rank_heads(whole, local, self.layout.tp_rank, self.layout.tp_size)
+
+    def _vocab(self, layer: nn.Module, local: torch.Tensor, dim: int) -> torch.Tensor:
+        assert self.layout.vocab_rows is not None  # a layout that names vocab layers has it
+        return _vocab_rows(layer, self.per_rank(local), dim, self.layout.vocab_rows)
+
+    def full_output(self, layer: nn.Module, local: torch.Tensor) -> torch.Tensor:
+        """A layer's output as one device would compute it (column-parallel: gathered, merged
+        parts in HF order q|k|v, gate|up; others: unchanged)."""
+        if self.layout.layer_kind(layer) != "column" or getattr(layer, "gather_output", False):
+            return local
+        if getattr(layer, "tp_size", 1) == 1:
+            return local
+        return torch.cat(_column_parts(layer, self.per_rank(local), dim=-1), dim=-1)
+
+    def full_input(self, layer: nn.Module, local: torch.Tensor) -> torch.Tensor:
+        """A layer's input as one device would see it (row-parallel: gathered)."""
+        if self.layout.layer_kind(layer) != "row" or getattr(layer, "tp_size", 1) == 1:
+            return local
+        if not getattr(layer, "input_is_parallel", True):  # the layer splits a whole input
+            return local
+        return torch.cat(self.per_rank(local), dim=-1)
+
+    def full_logits(self, lm_head: nn.Module, local: torch.Tensor) -> torch.Tensor:
+        """`x @ lm_head.weight.T` computed on this rank's vocab block -> the whole vocabulary."""
+        if self.layout.layer_kind(lm_head) != "vocab":
+            return local
+        return self._vocab(lm_head, local, dim=-1)
+
+    def full_weight(self, layer: nn.Module, part: int | None = None) -> torch.Tensor:
+        """A layer's weight in its HF shape; `part` picks q/k/v or gate/up of a merged layer."""
+        weight = _local_weight(layer)
+        kind = self.layout.layer_kind(layer)
+        if kind == "vocab":
+            return self._vocab(layer, weight, dim=0)
+        sharded = getattr(layer, "tp_size", 1) > 1
+        if kind == "row" and sharded:
+            return torch.cat(self.per_rank(weight), dim=1)
+        if kind == "column":
+            parts = _column_parts(layer, self.per_rank(weight) if sharded else [weight], dim=0)
+            return parts[part] if part is not None else torch.cat(parts, dim=0)
+        return weight
+
+    def full_raw(self, module: nn.Module, which: str, value: Any) -> Any:
+        """A raw site's native value (a tensor, or vLLM's (output, bias) pair) made whole."""
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return [self.full_raw(module, which, value[0]), *value[1:]]
+        if not isinstance(value, torch.Tensor):
+            return value
+        if which == "output":
+            return self.full_output(module, value)
+        return self.full_input(module, value)
 class VLLMParams:
     """Reads HF-named parameters from a vLLM model: packed layers split, shards gathered."""
 
-    def __init__(self, model: nn.Module, modules: Any) -> None:
-        self.modules = modules
+    def __init__(self, model: nn.Module, modules: Any, tp: TensorParallel) -> None:
+        self.modules, self.tp = modules, tp
         packed = getattr(model, "packed_modules_mapping", None) or {}
         self.packed = {  # HF projection -> (engine module name, part)
             proj: (name, index)
@@ -187,21 +186,21 @@ class VLLMParams:
         param = parse_param(name, len(self.modules.layers))
         if param.layer is None:
             if param.module == "lm_head":
-                return full_weight(self.modules.lm_head)
+                return self.tp.full_weight(self.modules.lm_head)
             embed = self.modules.embed  # or the owner of an embedding method (Gemma 3)
-            return full_weight(
+            return self.tp.full_weight(
                 embed if self.modules.embed_method == "forward" else embed.embed_tokens
             )
         layer = self.modules.layers[param.layer]
         block, proj = param.module.split(".")
         try:
-            return full_weight(layer.get_submodule(param.module))
+            return self.tp.full_weight(layer.get_submodule(param.module))
         except AttributeError:
             pass
         if proj in self.packed:
             packed_name, part = self.packed[proj]
             try:
-                return full_weight(layer.get_submodule(f"{block}.{packed_name}"), part)
+                return self.tp.full_weight(layer.get_submodule(f"{block}.{packed_name}"), part)
             except AttributeError:
                 pass
         raise UnknownSiteError(

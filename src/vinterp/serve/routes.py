@@ -30,7 +30,7 @@ from vinterp.engine.outputs import output_to_json
 from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
-from vinterp.runtime.pipeline import last_stage_start
+from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.serve import limits
 from vinterp.serve.limits import LimitError, TraceGate, read_body
 from vinterp.sites.modules import site_order

@@ -1,8 +1,9 @@
 """How vinterp follows each step of vLLM's model runners (V1, its CPU subclass, and V2).
 
 Every runner gets the same four hooks, placed where that runner exposes them:
-- the scheduler's output, before the step's graph mode is chosen (`execute_model`):
-  `runtime.on_schedule` plans steering and says whether the step runs uncompiled;
+- the scheduler's output, before the step's graph mode is chosen (`execute_model`): read
+  into a `StepSchedule` (`step_schedule`), `runtime.on_schedule` plans steering and says
+  whether the step runs uncompiled;
 - the graph-mode choice: an uncompiled step is forced out of CUDA graphs (V1:
   `_determine_batch_execution_and_padding(force_eager=...)`, V2: `dispatch_cg_and_sync_dp(
   need_eager=...)`) and the model's forward skips the compiled code (vLLM's own
@@ -25,11 +26,15 @@ from typing import Any
 import torch
 from vllm.sequence import IntermediateTensors
 
-from vinterp.engine.eager_kernels import EagerKernels
 from vinterp.engine.site_ops import SiteCalls
-from vinterp.runtime.worker_runtime import StepMode, WorkerRuntime
+from vinterp.engine.vllm_boundary.eager_kernels import EagerKernels
+from vinterp.engine.vllm_boundary.parallel import received_trace_values
+from vinterp.engine.vllm_boundary.targets import V2_RUNNER, resolve
+from vinterp.runtime.request_tracking import NewRequest, StepLayout, StepSchedule
+from vinterp.runtime.step_routing import StepMode
+from vinterp.runtime.worker_runtime import WorkerRuntime, request_payload
 
-V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+V2_MODULE = V2_RUNNER.partition(":")[0]
 # The mode of the step this thread's runner is executing, for vLLM functions that are not
 # the runner's own (V2's graph dispatch); set around each `execute_model` call.
 _EXECUTING: ContextVar[StepMode | None] = ContextVar("vinterp_executing", default=None)
@@ -41,9 +46,9 @@ class UnsupportedRunnerError(RuntimeError):
 
 def runner_kind(runner: Any) -> str:
     """ "v1" (GPU V1 runner and vLLM's CPU runner), "v2", or UnsupportedRunnerError."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vinterp.engine.vllm_boundary.targets import V1_RUNNER
 
-    if isinstance(runner, GPUModelRunner):
+    if isinstance(runner, resolve(V1_RUNNER)):
         return "v1"
     if type(runner).__module__ == V2_MODULE:
         return "v2"
@@ -51,6 +56,28 @@ def runner_kind(runner: Any) -> str:
         f"vinterp cannot instrument vLLM's {type(runner).__module__}.{type(runner).__name__}; "
         "its interventions would be skipped. Supported: the V1 and V2 GPU model runners and "
         "the CPU runner (set VLLM_USE_V2_MODEL_RUNNER=0 or 1 to pick a GPU runner)"
+    )
+
+
+def step_schedule(scheduler_output: Any) -> StepSchedule:
+    """The step as vinterp's runtime reads it, from vLLM's scheduler output (its lists are
+    passed on, not copied: a step of plain running requests costs nothing per request)."""
+    new = [
+        NewRequest(
+            r.req_id,
+            len(r.prompt_token_ids or []),
+            r.num_computed_tokens,
+            request_payload(getattr(r.sampling_params, "extra_args", None)),
+        )
+        for r in scheduler_output.scheduled_new_reqs
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    return StepSchedule(
+        scheduler_output.finished_req_ids,
+        new,
+        cached.req_ids,
+        cached.num_computed_tokens,
+        scheduler_output.num_scheduled_tokens,
     )
 
 
@@ -69,19 +96,19 @@ def instrument(runner: Any, runtime: WorkerRuntime, calls: SiteCalls) -> None:
         def run(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("dummy_run", False):
                 return original(scheduler_output, *args, **kwargs)
-            mode = runtime.on_schedule(scheduler_output)
-            calls.active = mode.uncompiled
+            mode = runtime.on_schedule(step_schedule(scheduler_output))
+            calls.uncompiled = mode.uncompiled
             received = args[0] if args else kwargs.get("intermediate_tensors")
             if received is not None:  # from the previous pipeline stage
-                runtime.pipeline.take(received)
+                runtime.pipeline.take(received_trace_values(received))
             executing = _EXECUTING.set(mode)
             try:
                 output = original(scheduler_output, *args, **kwargs)
             finally:
                 _EXECUTING.reset(executing)
             runtime.end_step()
-            if runtime.python_step and isinstance(output, IntermediateTensors):
-                output.tensors.update(runtime.pipeline.pack(runtime.slots))  # to the next
+            if mode.uncompiled and isinstance(output, IntermediateTensors):
+                output.tensors.update(runtime.pipeline_values())  # to the next stage
             return output
 
         return run
@@ -91,7 +118,7 @@ def instrument(runner: Any, runtime: WorkerRuntime, calls: SiteCalls) -> None:
     kernels = EagerKernels(model, runner.vllm_config)
 
     def skip_compiled(module: Any, args: Any, kwargs: Any) -> None:
-        if runtime.python_step:
+        if runtime.mode.uncompiled:
             from vllm.forward_context import get_forward_context
 
             get_forward_context().skip_compiled = True
@@ -114,17 +141,16 @@ def _instrument_v1(runner: Any, runtime: WorkerRuntime) -> None:
         def run(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             num_reqs = runner.input_batch.num_reqs
-            offsets = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+            offsets = runner.query_start_loc.cpu[: num_reqs + 1]
             req_ids = runner.input_batch.req_ids[:num_reqs]
-            layout = [(r, offsets[i], offsets[i + 1]) for i, r in enumerate(req_ids)]
-            runtime.begin_step(layout, offsets[-1])
+            runtime.begin_step(StepLayout(req_ids, offsets), int(offsets[-1]))
             return result
 
         return run
 
     def batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            kwargs["force_eager"] = kwargs.get("force_eager", False) or runtime.python_step
+            kwargs["force_eager"] = kwargs.get("force_eager", False) or runtime.mode.uncompiled
             return original(*args, **kwargs)
 
         return run
@@ -143,8 +169,7 @@ def _instrument_v2(runner: Any, runtime: WorkerRuntime) -> None:
     def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             batch = original(*args, **kwargs)
-            offsets = batch.query_start_loc_np.tolist()
-            layout = [(r, offsets[i], offsets[i + 1]) for i, r in enumerate(batch.req_ids)]
+            layout = StepLayout(batch.req_ids, batch.query_start_loc_np)
             runtime.begin_step(layout, batch.num_tokens)
             return batch
 

@@ -36,6 +36,12 @@ from vinterp.engine.site_ops import (
     router_site,
     stream_site,
 )
+from vinterp.engine.vllm_boundary.layers import (
+    attention_math,
+    is_attention_layer,
+    is_missing_layer,
+)
+from vinterp.engine.vllm_boundary.parallel import is_first_stage, is_last_stage
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.attention_pattern import PatternMath
@@ -192,12 +198,8 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
     pipeline stage runs its own layers, the embedding only on the first stage and the final
     norm only on the last (other stages may build them all the same: tied embeddings, or
     models that build both everywhere)."""
-    from vllm.distributed import get_pp_group
-    from vllm.model_executor.models.utils import PPMissingLayer
-
-    stage = get_pp_group()
     placed: list[tuple[nn.Module, str, dict]] = []
-    if stage.is_first_rank and not isinstance(modules.embed, PPMissingLayer):
+    if is_first_stage() and not is_missing_layer(modules.embed):
         placed.append((modules.embed, modules.embed_method, {"output_id": order["embed.output"]}))
     for i, layer in enumerate(modules.layers):
         if not modules.holds_layer(layer):
@@ -219,7 +221,7 @@ def _placements(modules: SiteModules, order: SiteOrder) -> list[tuple[nn.Module,
                 },
             ),
         ]
-    if stage.is_last_rank and not isinstance(modules.final_norm, PPMissingLayer):
+    if is_last_stage() and not is_missing_layer(modules.final_norm):
         placed.append((modules.final_norm, "forward", {"output_id": order["final_norm.output"]}))
     return placed
 
@@ -251,25 +253,14 @@ def _heads_placement(
         f"{part}_id": order[f"layers.{i}.attn.{part}"] for part in ("q", "k", "v", "pattern")
     }
     io["output_id"] = order[f"layers.{i}.attn.heads"]
-    io["pattern_math"] = _pattern_math(attention)
+    io["pattern_math"] = attention_math(attention)
     return [(attention, "forward", io)]
-
-
-def _pattern_math(attention: nn.Module) -> PatternMath:
-    """The scale, soft-cap and sliding window vLLM's attention layer was built with (the
-    implementation keeps the scale and cap; a cap of 0 is none)."""
-    impl = attention.impl
-    return PatternMath(
-        float(impl.scale), getattr(impl, "logits_soft_cap", None) or None, attention.sliding_window
-    )
 
 
 def _attention_layer(modules: SiteModules, layer: nn.Module) -> nn.Module:
     """vLLM's attention layer inside a layer's attention module (its `attn`)."""
-    from vllm.model_executor.layers.attention import Attention
-
     found = getattr(modules.attn(layer), "attn", None)
-    if not isinstance(found, Attention):
+    if not is_attention_layer(found):
         raise UnknownSiteError(
             f"the per-head attention sites need vLLM's Attention layer at "
             f"{modules.attn_name}.attn; {type(modules.attn(layer)).__name__} has none"

@@ -1,0 +1,99 @@
+"""Keys kept across steps for attention patterns, which vLLM's kernels never materialize.
+
+A pattern row over all earlier positions needs their keys; vLLM's KV cache holds them in the
+attention backend's own layout, so the runtime keeps its own copy, per request and layer, for
+as long as a traced invoke reads that layer's pattern or a capture waits for its last prompt
+token's row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vinterp.interventions.specs import WorkerCapture
+from vinterp.interventions.tables import RowSpan
+from vinterp.sites.attention_pattern import Pattern, PatternMath
+
+RequestCapture = tuple[str, RowSpan, WorkerCapture]  # a capturing request's id, rows and spec
+
+
+class KeptKeys:
+    """One request's keys at one layer, position by position, in a buffer that doubles when
+    full (a step adds its keys without copying the earlier ones)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
+
+    def put(self, first: int, own: torch.Tensor) -> torch.Tensor:
+        """Keys of positions `first`.. (a request recomputed from an earlier position
+        replaces them from there); all of them up to the last, a view."""
+        end = first + len(own)
+        if self.buffer is None or end > len(self.buffer):
+            grown = own.new_empty((max(end, 2 * self.length), *own.shape[1:]))
+            if self.buffer is not None:
+                grown[:first] = self.buffer[:first]
+            self.buffer = grown
+        self.buffer[first:end] = own
+        self.length = end
+        return self.buffer[:end]
+
+
+def kept_pattern(
+    kept: dict[str, KeptKeys],
+    site: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    start: int,
+    end: int,
+    first: int,
+    math: PatternMath,
+) -> Pattern:
+    """One request's pattern at a site this step, rows start..end of the batch from position
+    `first` on, over its keys of this step and those `kept` from earlier steps."""
+    keys = kept.setdefault(site, KeptKeys()).put(first, key[start:end])
+    positions = torch.arange(first, end - start + first, device=key.device)
+    return Pattern(query[start:end], keys, positions, math)
+
+
+def pattern_captures(captures: list[RequestCapture]) -> dict[str, list[RequestCapture]]:
+    """Per pattern site, the capturing requests that compute prompt tokens in this step (they
+    keep their keys until the last prompt token's row is captured)."""
+    found: dict[str, list[RequestCapture]] = {}
+    for req_id, span, capture in captures:
+        if capture.patterns and span.first_position < span.prompt_len:
+            for site in capture.patterns:
+                found.setdefault(site, []).append((req_id, span, capture))
+    return found
+
+
+class KeyStore:
+    """Every kept key: traced invokes' by (trace id, invoke), capturing requests' by id."""
+
+    def __init__(self) -> None:
+        self.invokes: dict[tuple[str, int], dict[str, KeptKeys]] = {}
+        self.captures: dict[str, dict[str, KeptKeys]] = {}
+
+    def of_invoke(self, trace_id: str, invoke: int) -> dict[str, KeptKeys]:
+        return self.invokes.setdefault((trace_id, invoke), {})
+
+    def of_capture(self, req_id: str) -> dict[str, KeptKeys]:
+        return self.captures.setdefault(req_id, {})
+
+    def drop_capture_site(self, req_id: str, site: str) -> None:
+        """A capture's keys at `site` once its row is taken (and the request's, when none is
+        left)."""
+        kept = self.captures.get(req_id, {})
+        kept.pop(site, None)
+        if not kept:
+            self.captures.pop(req_id, None)
+
+    def forget_trace(self, trace_id: str) -> None:
+        for kept in [k for k in self.invokes if k[0] == trace_id]:
+            del self.invokes[kept]
+
+    def forget_request(self, req_id: str) -> None:
+        self.captures.pop(req_id, None)
+
+    def held(self) -> int:
+        return len(self.invokes) + len(self.captures)

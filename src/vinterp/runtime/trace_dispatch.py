@@ -1,0 +1,174 @@
+"""Traces on a worker: their lifecycle (begin, collect, forget) and, in each uncompiled step,
+which traced invoke has which rows of the batch and which sites it works at."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vinterp.ir.plan import PlanError, make_plan
+from vinterp.runtime.executor import Failure, TraceRun
+from vinterp.runtime.request_tracking import TrackedRequest
+from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.sites.raw import install_raw_hooks, parse_raw, raw_sites_of
+from vinterp.wire.errors import WireError
+from vinterp.wire.graph import from_wire
+from vinterp.wire.saved_values import encode_saved
+
+
+@dataclass
+class Slot:
+    """One traced request in this step: its trace, invoke, step, rows and logits row."""
+
+    run: TraceRun
+    trace_id: str
+    invoke: int
+    step: int
+    start: int
+    end: int
+    row: int  # index among this step's requests (logits/samples row)
+    first: int = 0  # the position of its first row
+
+
+class TraceDispatch:
+    """The worker's traces and this step's slots: `wanted` (site -> slots with work there)
+    and `keeping` (pattern site -> slots whose invoke reads it in some step)."""
+
+    def __init__(
+        self,
+        order: SiteOrder,
+        device: torch.device,
+        functions: dict[str, Callable[..., Any]],
+        last_stage_start: int | None,
+        keeps_saves: bool,
+        model: torch.nn.Module,
+    ) -> None:
+        self.order, self.device, self.functions = order, device, functions
+        self.last_stage_start, self.keeps_saves, self.model = last_stage_start, keeps_saves, model
+        self.traces: dict[str, TraceRun] = {}
+        self.raw_hooks: dict[str, list[Any]] = {}
+        self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
+        self.slots: list[Slot] = []
+        self.wanted: dict[str, list[Slot]] = {}
+        self.keeping: dict[str, list[Slot]] = {}
+
+    def begin(self, trace_id: str, wire: dict[str, Any], on_raw: Callable[..., Any]) -> str | None:
+        """Register a trace; an error message (not an exception: the engine stays up)."""
+        try:
+            graph = from_wire(wire, self.order)
+            graph.tensors = [t.to(self.device) for t in graph.tensors]
+            plan = make_plan(graph, self.order, self.last_stage_start)
+            run = TraceRun(graph, plan, self.functions, keeps_saves=self.keeps_saves)
+            raw_sites = raw_sites_of(graph)
+            self.raw_hooks[trace_id] = install_raw_hooks(self.model, raw_sites, on_raw)
+            for site in raw_sites:
+                path, which = parse_raw(site)
+                self.raw_modules[site] = (self.model.get_submodule(path), which)
+        except (WireError, PlanError, UnknownSiteError) as exc:
+            return str(exc)
+        self.traces[trace_id] = run
+        return None
+
+    def forget(self, trace_id: str) -> TraceRun | None:
+        """Drop a trace and its hooks (after collection, or when it could not start)."""
+        for handle in self.raw_hooks.pop(trace_id, ()):
+            handle.remove()
+        return self.traces.pop(trace_id, None)
+
+    @staticmethod
+    def report(run: TraceRun | None) -> dict[str, Any]:
+        """A finished trace's saves and failure, as they cross vLLM's RPC."""
+        if run is None:
+            return {"saved": {}, "failure": None}
+        failure = run.failure.__dict__ if run.failure else None
+        try:
+            saved = {node: encode_saved(value) for node, value in run.results().items()}
+        except (WireError, RuntimeError, TypeError) as exc:  # the trace fails, not the engine
+            message = f"a saved value cannot be sent back: {exc}"
+            saved, failure = {}, Failure("", message, -1, 0).__dict__
+        return {"saved": saved, "failure": failure}
+
+    def works_now(self, req: TrackedRequest, num_tokens: int) -> bool:
+        """Whether a traced request's invoke has work in a step of `num_tokens` of its tokens."""
+        if req.trace is None:
+            return False
+        run = self.traces.get(req.trace[0])
+        return run is not None and run.works_at(req.trace[1], req.step(num_tokens))
+
+    def clear_step(self) -> None:
+        self.slots, self.wanted, self.keeping = [], {}, {}
+
+    def add_slot(self, req: TrackedRequest, row: int, start: int, end: int) -> None:
+        """A traced request's rows in this (uncompiled) step."""
+        trace_id, invoke = req.trace  # type: ignore[misc]
+        run = self.traces[trace_id]
+        step = req.step(end - start)
+        if step == 0 and (req.num_computed > 0 or end - start < req.prompt_len):
+            if run.failure is None:
+                run.failure = Failure("", _split_prompt(req, invoke), invoke, 0)
+            return
+        slot = Slot(run, trace_id, invoke, step, start, end, row, req.num_computed)
+        self.slots.append(slot)
+        for site in run.sites_by_invoke.get(invoke, ()):
+            self.wanted.setdefault(site, []).append(slot)
+        for site in run.patterns_by_invoke.get(invoke, ()):
+            self.keeping.setdefault(site, []).append(slot)
+
+    def at_site(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The traced invokes' nodes at a site whose value `x` (T, ...) is whole: a new value
+        where one of them writes (their rows replaced), else None."""
+        out = None
+        for slot in self.wanted.get(site, ()):
+            source = x if out is None else out
+            new = slot.run.at_site(slot.invoke, slot.step, site, source[slot.start : slot.end])
+            if new is not None:
+                out = x.clone() if out is None else out
+                out[slot.start : slot.end] = new
+        return out
+
+    def at_stream(
+        self, site: str, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As `at_site`, for a value vLLM carries as (hidden, residual) with the sum meant."""
+        out = None
+        for slot in self.wanted.get(site, ()):
+            h, r = (hidden, residual) if out is None else out
+            rows = slice(slot.start, slot.end)
+            new = slot.run.at_site(slot.invoke, slot.step, site, h[rows] + r[rows])
+            if new is not None:
+                out = (hidden.clone(), residual.clone()) if out is None else out
+                out[0][rows] = 0  # the next block adds hidden + residual: the sum is `new`
+                out[1][rows] = new
+        return out
+
+    def at_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows of `logits` are this step's requests in batch order (the slot's `row`)."""
+        out = logits
+        for slot in self.wanted.get("logits", ()):
+            row = out[slot.row : slot.row + 1]
+            new = slot.run.at_site(slot.invoke, slot.step, "logits", row)
+            if new is not None:
+                out = logits.clone() if out is logits else out
+                out[slot.row : slot.row + 1] = new
+        return out
+
+    def at_samples(self, sampled: torch.Tensor) -> None:
+        """This step's sampled token ids, one per request: read only."""
+        for slot in self.wanted.get("samples", ()):
+            token = sampled[slot.row].reshape(1).long()
+            slot.run.at_site(slot.invoke, slot.step, "samples", token)
+
+
+def _split_prompt(req: TrackedRequest, invoke: int) -> str:
+    cause = (
+        f"its first {req.num_computed} tokens came from vLLM's prefix cache"
+        if req.num_computed
+        else f"the scheduler split its {req.prompt_len} tokens over several engine "
+        "steps (chunked prefill) to fit them beside other requests' tokens in a "
+        "step's budget (max_num_batched_tokens); run the trace again, or start the "
+        "engine with a larger max_num_batched_tokens"
+    )
+    return f"the prompt of invoke {invoke} was not computed in one step: {cause}"
