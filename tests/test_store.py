@@ -29,7 +29,7 @@ from vinterp.api.extract_plan import (
     NO_ROWS,
     TOKENS,
     TOO_LONG,
-    Prompt,
+    PlannedPrompt,
     check_positions,
     plan_shards,
     selected,
@@ -419,7 +419,7 @@ def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
         shard_bytes=1000,
     )
     positions = np.array([1, 2], np.int32)
-    prompts = [Prompt(0, [5, 6, 7], positions), Prompt(3, [8, 9], positions[:1])]
+    prompts = [PlannedPrompt(0, [5, 6, 7], positions), PlannedPrompt(3, [8, 9], positions[:1])]
     captured = [special_values("bfloat16", 3, 4, 0), special_values("bfloat16", 2, 4, 1)]
     rows = {
         f"c{k}": {SITE: {"positions": list(range(len(c))), "values": c}}

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from vinterp.api.extract_plan import (
     TOKENS,
     TOO_LONG,
+    PlannedPrompt,
     PositionSpec,
-    Prompt,
     Shard,
     check_positions,
     plan_shards,
@@ -291,7 +291,7 @@ def tokenize(llm: Any, source: PromptSource, start: int) -> Iterator[tuple[int, 
 
 
 def shard_columns(
-    prompts: list[Prompt],
+    prompts: list[PlannedPrompt],
     outputs: list[Output | None],
     capture_ids: list[str],
     taken: Callable[[], Captured],
