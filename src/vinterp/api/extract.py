@@ -36,7 +36,7 @@ from vinterp.api.extract_plan import (
 from vinterp.api.prompt_source import PromptSource, prompt_source
 from vinterp.api.requests import captured_tensors
 from vinterp.engine.backend import Captured, StreamRequest
-from vinterp.engine.limits import EngineLimits, engine_limits
+from vinterp.engine.engine_limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.modules import site_order

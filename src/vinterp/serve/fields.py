@@ -22,8 +22,8 @@ from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import unapplied_error
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
-from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, check_declared_size, read_body
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import LimitError, check_declared_size, read_body
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
@@ -88,7 +88,7 @@ def _bad_request(message: str) -> JSONResponse:
 async def vinterp_fields(request: Request, call_next: Any) -> Response:
     """vLLM `--middleware`: any route's body declared over the size limit refused (413),
     steering and capture from the body field, captures back."""
-    limit = limits.current()
+    limit = client_limits.current()
     try:
         check_declared_size(request, limit)
     except LimitError as exc:

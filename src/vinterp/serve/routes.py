@@ -5,7 +5,7 @@
 Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
 `vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
 trace arrives as the graph's wire form in JSON: data, validated against the whitelist and
-the server's limits (`serve/limits.py`) before anything reaches the engine; nothing from the
+the server's limits (`serve/client_limits.py`) before anything reaches the engine; nothing from the
 client is executed or unpickled. Every malformed request gets a 400 that names the problem, a
 body over the limit a 413, one too slow to arrive a 408, a trace over its key's running traces
 a 429.
@@ -31,8 +31,8 @@ from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
-from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, TraceGate, read_body
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import LimitError, TraceGate, read_body
 from vinterp.sites.modules import site_order
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -70,7 +70,7 @@ def _config(request: Request) -> Any:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await read_body(request, limits.current())
+    body = await read_body(request, client_limits.current())
     try:
         return json.loads(body)
     except ValueError:
@@ -116,7 +116,7 @@ async def held(request: Request) -> JSONResponse:
 
 
 def decode_trace(
-    body: Any, config: Any, stages: int, limit: limits.ServeLimits
+    body: Any, config: Any, stages: int, limit: client_limits.ServeLimits
 ) -> tuple[dict[str, Any], Graph, Any]:
     """The request's graph (wire form, decoded graph, plan), within the server's limits."""
     if not isinstance(body, dict) or set(body) != {"graph"}:
@@ -145,7 +145,7 @@ def decode_trace(
 @router.post("/v1/vinterp/trace")
 async def trace(request: Request) -> JSONResponse:
     """Run one serialized trace; its outputs, saves and failure (one that names the line)."""
-    engine, limit = _engine(request), limits.current()
+    engine, limit = _engine(request), client_limits.current()
     stages = engine.vllm_config.parallel_config.pipeline_parallel_size
     try:
         body = await _json_body(request)
