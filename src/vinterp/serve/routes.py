@@ -33,6 +33,7 @@ from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.pipeline import last_stage_start
 from vinterp.serve import client_limits
 from vinterp.serve.client_limits import LimitError, TraceGate, read_body
+from vinterp.serve.error_responses import bad_request
 from vinterp.sites.modules import site_order
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -54,11 +55,6 @@ class ServedSteering:
 
 class BadRequest(ValueError):
     pass
-
-
-def _bad_request(message: str, **extra: Any) -> JSONResponse:
-    error = {"message": message, "type": "BadRequestError", "code": 400, **extra}
-    return JSONResponse({"error": error}, status_code=400)
 
 
 def _engine(request: Request) -> Any:
@@ -151,11 +147,11 @@ async def trace(request: Request) -> JSONResponse:
         body = await _json_body(request)
         wire, graph, plan = decode_trace(body, _config(request), stages, limit)
     except PlanError as exc:
-        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+        return bad_request(str(exc), out_of_order=exc.out_of_order)
     except LimitError as exc:
         return exc.response()
     except (BadRequest, WireError) as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     from vinterp.engine.async_vllm_engine import run_trace
     from vinterp.engine.vllm_engine import collected_result
 
@@ -165,9 +161,9 @@ async def trace(request: Request) -> JSONResponse:
     except LimitError as exc:
         return exc.response()
     except PlanError as exc:
-        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+        return bad_request(str(exc), out_of_order=exc.out_of_order)
     except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
-        return _bad_request(str(exc), type=InterventionError.__name__)
+        return bad_request(str(exc), kind=InterventionError.__name__)
     if ran is None:
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     outputs, per_worker = ran
@@ -249,7 +245,7 @@ async def put_steering(request: Request) -> JSONResponse:
     except LimitError as exc:
         return exc.response()
     except (BadRequest, WireError, ValueError) as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     return await get_steering(request)
 
 
@@ -264,7 +260,7 @@ async def delete_steering(request: Request, name: str | None = None) -> JSONResp
         await engine.collective_rpc("vinterp_register_steering", args=(name, None))
         del state.named[name]
     else:
-        return _bad_request(f"no steering named {name!r} is registered")
+        return bad_request(f"no steering named {name!r} is registered")
     return await get_steering(request)
 
 
