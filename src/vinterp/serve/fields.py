@@ -26,7 +26,6 @@ from vinterp.serve import client_limits
 from vinterp.serve.client_limits import LimitError, check_declared_size, read_body
 from vinterp.serve.error_responses import bad_request, error_response
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering, capture_sites
@@ -68,8 +67,6 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
         order = site_order(config)
         try:
             prepared.capture_sites = capture_sites(capture, order)
-        except UnknownSiteError as exc:
-            raise FieldError(f"vinterp.capture.sites: {exc}") from None
         except ValueError as exc:
             raise FieldError(f"vinterp.{exc}") from None
         prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
