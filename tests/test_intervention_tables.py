@@ -499,7 +499,7 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     every replay skips them. The capture is simulated here (the CPU has no CUDA graphs)."""
     from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.engine.site_ops import SiteCalls
-    from vinterp.interventions import recording
+    from vinterp.interventions import graph_recording
 
     experts, top_k = 6, 2
     order = SiteOrder(2, Router((1,), experts, top_k))
@@ -524,7 +524,7 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     capture.write({site_id: SiteCapture(torch.tensor([2, 0]), []) for site_id in sites})
     capture.active = steer.active = False  # the engine's state while vLLM captures its graphs
 
-    monkeypatch.setattr(recording, "_cuda_graphs_possible", lambda: True)
+    monkeypatch.setattr(graph_recording, "_cuda_graphs_possible", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with torch.no_grad():
         logits = gate(x)

@@ -18,9 +18,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from transformers import LlamaConfig
 
-from vinterp.serve import limits
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import ServeLimits
 from vinterp.serve.fields import vinterp_fields
-from vinterp.serve.limits import ServeLimits
 
 
 class EngineClient:
@@ -60,7 +60,7 @@ def test_a_route_whose_client_left_goes_back_as_it_came_and_its_captures_are_dro
 def test_a_body_declared_over_the_limit_is_refused_on_any_route(monkeypatch) -> None:
     """The middleware refuses it from its Content-Length before the route (here vLLM's
     `/tokenize`, which reads bodies itself) is reached."""
-    monkeypatch.setenv(limits.ENV, ServeLimits(body_bytes=1000).model_dump_json())
+    monkeypatch.setenv(client_limits.ENV, ServeLimits(body_bytes=1000).model_dump_json())
     reached = []
 
     async def tokenize(request: Any) -> Response:

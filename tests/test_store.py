@@ -29,7 +29,7 @@ from vinterp.api.extract_plan import (
     NO_ROWS,
     TOKENS,
     TOO_LONG,
-    Prompt,
+    PlannedPrompt,
     check_positions,
     plan_shards,
     selected,
@@ -68,14 +68,21 @@ def open_store(root: Path, spec: dict = SPEC) -> ActivationStore:
     return ActivationStore.open(root, spec, COLUMNS, shard_bytes=1000)
 
 
+def commit(
+    store: ActivationStore, start: int, end: int, values: dict[str, np.ndarray], counts: dict
+) -> None:
+    """Write the shard of prompts [start, end) and list it, as the shard writer does."""
+    store.add([store.write(len(store.manifest.shards), start, end, values, counts)])
+
+
 def loaded(root: Path) -> dict[str, np.ndarray]:
     return datasets.load_from_disk(str(root)).with_format("numpy")[:]
 
 
 def test_shards_load_through_datasets_in_prompt_order(tmp_path: Path) -> None:
     store = open_store(tmp_path)
-    store.commit(0, 3, rows(0, 3), {"n": 1})
-    store.commit(3, 5, rows(3, 5), {"n": 2})
+    commit(store, 0, 3, rows(0, 3), {"n": 1})
+    commit(store, 3, 5, rows(3, 5), {"n": 2})
     store.finish()
     got, want = loaded(tmp_path), rows(0, 5)
     for name in COLUMNS:
@@ -92,7 +99,7 @@ def test_reopen_continues_after_the_last_listed_shard_and_removes_leftovers(
     tmp_path: Path,
 ) -> None:
     store = open_store(tmp_path)
-    store.commit(0, 2, rows(0, 2), {})
+    commit(store, 0, 2, rows(0, 2), {})
     # A kill after the next shard's file was renamed into place, before the manifest listed
     # it, and one in the middle of writing the shard after: both are leftovers.
     (tmp_path / "data-00001.arrow").write_bytes(b"complete-looking but unlisted")
@@ -106,12 +113,12 @@ def test_reopen_continues_after_the_last_listed_shard_and_removes_leftovers(
         "manifest.json",
         "state.json",
     ]
-    again.commit(2, 5, rows(2, 5), {})
+    commit(again, 2, 5, rows(2, 5), {})
     assert np.array_equal(loaded(tmp_path)["site"], rows(0, 5)["site"])
 
 
 def test_another_spec_is_refused_naming_what_differs(tmp_path: Path) -> None:
-    open_store(tmp_path).commit(0, 1, rows(0, 1), {})
+    commit(open_store(tmp_path), 0, 1, rows(0, 1), {})
     other = {**SPEC, "sites": ["other"], "prompts": {"count": 11}}
     with pytest.raises(SpecMismatchError) as info:
         open_store(tmp_path, other)
@@ -139,7 +146,7 @@ def test_a_full_disk_leaves_no_shard_looking_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = open_store(tmp_path)
-    store.commit(0, 2, rows(0, 2), {})
+    commit(store, 0, 2, rows(0, 2), {})
     before = (tmp_path / "manifest.json").read_text()
 
     def full(fd: int) -> None:
@@ -147,21 +154,21 @@ def test_a_full_disk_leaves_no_shard_looking_complete(
 
     monkeypatch.setattr(files.os, "fsync", full)
     with pytest.raises(StoreError, match="No space left on device.*continues after them"):
-        store.commit(2, 4, rows(2, 4), {})
+        commit(store, 2, 4, rows(2, 4), {})
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".", "data-"))) == [
         "data-00000.arrow"
     ]
     assert (tmp_path / "manifest.json").read_text() == before
     resumed = open_store(tmp_path)
-    resumed.commit(2, 4, rows(2, 4), {})
+    commit(resumed, 2, 4, rows(2, 4), {})
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
 
 
 def test_a_shard_that_does_not_follow_is_refused(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     with pytest.raises(ValueError, match="does not follow prompt 0"):
-        store.commit(1, 2, rows(1, 2), {})
+        commit(store, 1, 2, rows(1, 2), {})
 
 
 def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Path) -> None:
@@ -251,7 +258,7 @@ def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
     assert [s.end for s in store.manifest.shards] == [1]
     reopened = open_store(tmp_path)  # shard 2 may have been written: unlisted, it goes
     assert sorted(p.name for p in tmp_path.glob("data-*")) == ["data-00000.arrow"]
-    reopened.commit(1, 3, rows(1, 3), {})
+    commit(reopened, 1, 3, rows(1, 3), {})
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 3)["prompt"])
 
 
@@ -370,7 +377,7 @@ def test_site_values_round_trip_bit_for_bit(tmp_path: Path, dtype: str) -> None:
     width, rows = 16, 64
     a, b = special_values(dtype, rows, width, 0), special_values(dtype, rows, width, 1)
     store = site_store(tmp_path, dtype, width)
-    store.commit(0, rows, site_rows(0, {"a": a, "b": b}, dtype), {})
+    commit(store, 0, rows, site_rows(0, {"a": a, "b": b}, dtype), {})
     store.finish()
     for site, want in {"a": a, "b": b}.items():
         got = site_tensor(tmp_path, site)
@@ -419,7 +426,7 @@ def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
         shard_bytes=1000,
     )
     positions = np.array([1, 2], np.int32)
-    prompts = [Prompt(0, [5, 6, 7], positions), Prompt(3, [8, 9], positions[:1])]
+    prompts = [PlannedPrompt(0, [5, 6, 7], positions), PlannedPrompt(3, [8, 9], positions[:1])]
     captured = [special_values("bfloat16", 3, 4, 0), special_values("bfloat16", 2, 4, 1)]
     rows = {
         f"c{k}": {SITE: {"positions": list(range(len(c))), "values": c}}
@@ -431,7 +438,7 @@ def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
     )
     assert values[SITE].dtype == np.uint16
     assert values["token"].tolist() == [6, 7, 9] and values["prompt"].tolist() == [0, 0, 3]
-    store.commit(0, 4, values, {})
+    commit(store, 0, 4, values, {})
     want = torch.cat([captured[0][1:], captured[1][1:]])  # skip_first drops leading rows
     assert torch.equal(bits(site_tensor(tmp_path, SITE)), bits(want))
 
@@ -442,7 +449,7 @@ def test_site_tensor_of_several_shards_is_their_concatenation(tmp_path: Path) ->
     a = [special_values("bfloat16", n, 8, seed) for seed, n in enumerate(sizes)]
     b = [special_values("bfloat16", n, 8, seed + 10) for seed, n in enumerate(sizes)]
     for k in range(len(sizes)):
-        store.commit(k, k + 1, site_rows(k, {"a": a[k], "b": b[k]}, "bfloat16"), {})
+        commit(store, k, k + 1, site_rows(k, {"a": a[k], "b": b[k]}, "bfloat16"), {})
     store.finish()
     want = torch.cat(a)
     assert torch.equal(bits(site_tensor(tmp_path, "a")), bits(want))
@@ -458,7 +465,7 @@ def test_site_tensor_of_several_shards_is_their_concatenation(tmp_path: Path) ->
 def test_site_tensor_of_one_shard_maps_the_file_copy_on_write(tmp_path: Path) -> None:
     store = site_store(tmp_path, "float16", 4)
     values = special_values("float16", 6, 4)
-    store.commit(0, 1, site_rows(0, {"a": values, "b": values}, "float16"), {})
+    commit(store, 0, 1, site_rows(0, {"a": values, "b": values}, "float16"), {})
     got = site_tensor(tmp_path, "a")
     assert torch.equal(bits(got), bits(values))
     got.zero_()  # a private page: the file keeps its values
@@ -481,7 +488,7 @@ def test_site_shards_are_the_shard_files_mapped_without_a_copy(tmp_path: Path) -
     store = site_store(tmp_path, "bfloat16", 8)
     parts = [special_values("bfloat16", n, 8, seed) for seed, n in enumerate([4, 6, 5])]
     for k, part in enumerate(parts):
-        store.commit(k, k + 1, site_rows(k, {"a": part, "b": part}, "bfloat16"), {})
+        commit(store, k, k + 1, site_rows(k, {"a": part, "b": part}, "bfloat16"), {})
     shards = site_shards(tmp_path, "a")
     assert [bits(s).tolist() for s in shards] == [bits(p).tolist() for p in parts]
     for k, shard in enumerate(shards):

@@ -39,8 +39,8 @@ from vinterp.interventions.specs import decode_request
 from vinterp.ir.graph import NODE_KINDS
 from vinterp.ir.ops import ALL_OPS
 from vinterp.ir.plan import PlanError, make_plan
+from vinterp.serve.client_limits import ServeLimits
 from vinterp.serve.fields import parse_field
-from vinterp.serve.limits import ServeLimits
 from vinterp.serve.routes import BadRequest, decode_trace
 from vinterp.sites.names import SiteOrder
 from vinterp.wire.errors import WireError

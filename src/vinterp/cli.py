@@ -12,7 +12,7 @@ from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
 from vinterp.bench.workloads import ON_REQUEST, SELECTABLE
 from vinterp.models.tiny import SHAPES
-from vinterp.serve.limits import ServeLimits
+from vinterp.serve.client_limits import ServeLimits
 
 SHAPE_NAMES = tuple(SHAPES)
 
@@ -190,8 +190,8 @@ def _peer_list(text: str) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from vinterp.serve.client_limits import to_environment
     from vinterp.serve.launch import serve
-    from vinterp.serve.limits import to_environment
 
     given = {
         "body_bytes": args.max_body_mb and args.max_body_mb << 20,

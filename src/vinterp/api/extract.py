@@ -27,16 +27,16 @@ from tqdm import tqdm
 from vinterp.api.extract_plan import (
     TOKENS,
     TOO_LONG,
+    PlannedPrompt,
     PositionSpec,
-    Prompt,
     Shard,
     check_positions,
     plan_shards,
 )
 from vinterp.api.prompt_source import PromptSource, prompt_source
 from vinterp.api.requests import captured_tensors
-from vinterp.engine.backend import Captured, StreamRequest
-from vinterp.engine.limits import EngineLimits, engine_limits
+from vinterp.engine.backend import Captured, StreamingBackend, StreamRequest
+from vinterp.engine.engine_limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.modules import site_order
@@ -203,7 +203,7 @@ def run(
         manifest.shard_bytes,
         manifest.shard_tokens,
     )
-    backend = llm.backend
+    backend: StreamingBackend = llm.backend  # a vLLM or transformers engine in this process
     started: deque[ShardRun] = deque()  # in input order
     owner: dict[int, tuple[ShardRun, int]] = {}  # stream index -> (shard, prompt in shard)
     counter = itertools.count()
@@ -260,7 +260,7 @@ def run(
 
 
 def pending_shard(
-    backend: Any, entry: ShardRun, capture: Capture, store: ActivationStore
+    backend: StreamingBackend, entry: ShardRun, capture: Capture, store: ActivationStore
 ) -> PendingShard:
     """A finished shard for the writer: its captures are taken from the workers now and read
     on the writer thread (no reference to the captured tensors stays here)."""
@@ -272,7 +272,7 @@ def pending_shard(
     return PendingShard(shard.start, shard.end, build, shard.counts, drop=taken)
 
 
-def drop_captures(backend: Any, started: deque[ShardRun]) -> None:
+def drop_captures(backend: StreamingBackend, started: deque[ShardRun]) -> None:
     """After a failed run: the rows captured for shards not handed to the writer (finished,
     in the engine, or aborted there) are taken and let go, so the workers hold none of them
     and the engine serves on as before."""
@@ -291,7 +291,7 @@ def tokenize(llm: Any, source: PromptSource, start: int) -> Iterator[tuple[int, 
 
 
 def shard_columns(
-    prompts: list[Prompt],
+    prompts: list[PlannedPrompt],
     outputs: list[Output | None],
     capture_ids: list[str],
     taken: Callable[[], Captured],

@@ -52,7 +52,10 @@ def selected(positions: PositionSpec, skip_first: int, length: int) -> np.ndarra
 
 
 @dataclass
-class Prompt:
+class PlannedPrompt:
+    """A prompt that gives rows: its index in the input, its token ids and the positions
+    that become rows."""
+
     index: int
     ids: list[int]
     positions: np.ndarray
@@ -64,7 +67,7 @@ class Shard:
 
     start: int
     end: int
-    prompts: list[Prompt] = field(default_factory=list)
+    prompts: list[PlannedPrompt] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {TOO_LONG: 0, NO_ROWS: 0, TOKENS: 0})
 
     @property
@@ -101,7 +104,7 @@ def plan_shards(
         elif not len(rows):
             shard.counts[NO_ROWS] += 1
         else:
-            shard.prompts.append(Prompt(index, ids, rows))
+            shard.prompts.append(PlannedPrompt(index, ids, rows))
             shard.counts[TOKENS] += len(ids)
     if shard is not None:
         yield shard

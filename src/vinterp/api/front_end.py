@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any
 
-from vinterp.api.envoy import Layers, ModulePoint, RawPoint, SitePoint
+from vinterp.api.site_points import Layers, ModulePoint, RawPoint, SitePoint
 from vinterp.api.trace import Prompt, Trace
 
 # The trace being recorded, per front-end: a context variable, so that concurrent tasks (and

@@ -21,7 +21,7 @@ from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import UnknownSiteError, is_pattern
+from vinterp.sites.names import is_pattern
 from vinterp.store.files import write_atomic
 from vinterp.wire.specs import (
     Capture,
@@ -129,10 +129,7 @@ def prepare(
                 )
         cap = request.capture if request.capture is not None else capture
         if cap is not None:
-            try:
-                req.capture_sites = capture_sites(cap, order)
-            except UnknownSiteError as exc:
-                raise ValueError(f"capture.sites: {exc}") from None
+            req.capture_sites = capture_sites(cap, order)  # ValueError naming the field
             req.capture, req.capture_id = cap, uuid.uuid4().hex
         prepared.append(req)
     return prepared

@@ -174,11 +174,6 @@ def timed_interleaved(
     return {key: Timing(tuple(runs)) for key, runs in times.items()}
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` runs after one warm-up."""
-    return timed(fn, repeats).best
-
-
 def device_kind() -> str:
     """'cuda' when a CUDA GPU is visible, else 'cpu' (the keys of TARGETS). Asks NVML
     (`device_count`), not the CUDA driver: a driver initialised in this process before vLLM

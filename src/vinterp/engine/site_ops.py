@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vinterp.interventions.capture_buffers import CaptureBuffers
-from vinterp.interventions.recording import ops_recorded
+from vinterp.interventions.graph_recording import ops_recorded
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.sites.attention_pattern import PatternMath
 

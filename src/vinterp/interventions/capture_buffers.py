@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
-from vinterp.interventions.recording import ops_recorded
+from vinterp.interventions.graph_recording import ops_recorded
+from vinterp.interventions.host_to_device import upload
 from vinterp.interventions.tables import SiteCapture
-from vinterp.interventions.uploads import upload
 from vinterp.sites.names import (
     HEAD_SITES,
     PATTERN,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.sites.names import SiteOrder, UnknownSiteError, is_pattern
+from vinterp.sites.names import SiteOrder, is_pattern
 from vinterp.wire.errors import WireError
 from vinterp.wire.specs import (
     Capture,
@@ -112,8 +112,6 @@ class WorkerCapture:
     def of(cls, capture_id: str, capture: Capture, order: SiteOrder) -> WorkerCapture:
         try:
             sites = capture_sites(capture, order)
-        except UnknownSiteError as exc:
-            raise WireError(f"capture.sites: {exc}") from None
         except ValueError as exc:
             raise WireError(str(exc)) from None
         positions = capture.positions

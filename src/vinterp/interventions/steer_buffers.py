@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
-from vinterp.interventions.recording import ops_recorded
+from vinterp.interventions.graph_recording import ops_recorded
 
 
 @dataclass

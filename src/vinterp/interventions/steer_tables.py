@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from vinterp.interventions.applied import steered_per_site
+from vinterp.interventions.host_to_device import upload
 from vinterp.interventions.specs import WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers, SteerTables
-from vinterp.interventions.uploads import upload
 from vinterp.sites.names import SiteOrder
 
 

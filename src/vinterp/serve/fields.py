@@ -22,10 +22,10 @@ from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.vllm_engine import unapplied_error
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
-from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, check_declared_size, read_body
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import LimitError, check_declared_size, read_body
+from vinterp.serve.error_responses import bad_request, error_response
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering, capture_sites
@@ -67,8 +67,6 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
         order = site_order(config)
         try:
             prepared.capture_sites = capture_sites(capture, order)
-        except UnknownSiteError as exc:
-            raise FieldError(f"vinterp.capture.sites: {exc}") from None
         except ValueError as exc:
             raise FieldError(f"vinterp.{exc}") from None
         prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
@@ -80,15 +78,10 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
 RESERVED_XARGS = {EXTRA_ARGS_KEY}
 
 
-def _bad_request(message: str) -> JSONResponse:
-    error = {"message": message, "type": "BadRequestError", "param": FIELD, "code": 400}
-    return JSONResponse({"error": error}, status_code=400)
-
-
 async def vinterp_fields(request: Request, call_next: Any) -> Response:
     """vLLM `--middleware`: any route's body declared over the size limit refused (413),
     steering and capture from the body field, captures back."""
-    limit = limits.current()
+    limit = client_limits.current()
     try:
         check_declared_size(request, limit)
     except LimitError as exc:
@@ -106,9 +99,10 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     xargs = body.get("vllm_xargs")
     reserved = sorted(set(xargs) & RESERVED_XARGS) if isinstance(xargs, dict) else []
     if reserved:  # the workers trust these: only vinterp writes them, after its checks
-        return _bad_request(
+        return bad_request(
             f"vllm_xargs.{reserved[0]} is reserved for vinterp; send steering and capture "
-            f"in the {FIELD!r} body field"
+            f"in the {FIELD!r} body field",
+            param=FIELD,
         )
     if FIELD not in body:
         return await call_next(request)
@@ -124,7 +118,8 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
             )
     except (FieldError, WireError, ValueError) as exc:
         message = str(exc)
-        return _bad_request(message if message.startswith(FIELD) else f"{FIELD}: {message}")
+        text = message if message.startswith(FIELD) else f"{FIELD}: {message}"
+        return bad_request(text, param=FIELD)
     specs = prepared.specs()
     if specs is not None:
         body.setdefault("vllm_xargs", {})[EXTRA_ARGS_KEY] = payload_to_text(specs.to_wire())
@@ -150,8 +145,7 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
                 taken = True
                 data[FIELD] = {"captures": _captures_json(prepared, rows, data)}
         except InterventionError as exc:
-            error = {"message": f"{FIELD}: {exc}", "type": "InterventionError", "code": 500}
-            return JSONResponse({"error": error}, status_code=500)
+            return error_response(f"{FIELD}: {exc}", 500, "InterventionError")
         return JSONResponse(data)
     finally:
         # the rows of a request that failed, or whose client left, are dropped, not kept

@@ -5,7 +5,7 @@
 Added through vLLM's endpoint-plugin entry point (`vllm.endpoint_plugins`, allowlisted by
 `vinterp serve`), so they sit behind vLLM's own `--api-key` check like every /v1 route. A
 trace arrives as the graph's wire form in JSON: data, validated against the whitelist and
-the server's limits (`serve/limits.py`) before anything reaches the engine; nothing from the
+the server's limits (`serve/client_limits.py`) before anything reaches the engine; nothing from the
 client is executed or unpickled. Every malformed request gets a 400 that names the problem, a
 body over the limit a 413, one too slow to arrive a 408, a trace over its key's running traces
 a 429.
@@ -27,12 +27,13 @@ from starlette.responses import JSONResponse
 
 from vinterp.api.requests import check_steering
 from vinterp.engine.outputs import output_to_json
+from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
-from vinterp.engine.vllm_boundary.parallel import last_stage_start
-from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, TraceGate, read_body
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import LimitError, TraceGate, read_body
+from vinterp.serve.error_responses import bad_request
 from vinterp.sites.modules import site_order
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire
@@ -56,11 +57,6 @@ class BadRequest(ValueError):
     pass
 
 
-def _bad_request(message: str, **extra: Any) -> JSONResponse:
-    error = {"message": message, "type": "BadRequestError", "code": 400, **extra}
-    return JSONResponse({"error": error}, status_code=400)
-
-
 def _engine(request: Request) -> Any:
     return request.app.state.engine_client
 
@@ -70,7 +66,7 @@ def _config(request: Request) -> Any:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await read_body(request, limits.current())
+    body = await read_body(request, client_limits.current())
     try:
         return json.loads(body)
     except ValueError:
@@ -116,7 +112,7 @@ async def held(request: Request) -> JSONResponse:
 
 
 def decode_trace(
-    body: Any, config: Any, stages: int, limit: limits.ServeLimits
+    body: Any, config: Any, stages: int, limit: client_limits.ServeLimits
 ) -> tuple[dict[str, Any], Graph, Any]:
     """The request's graph (wire form, decoded graph, plan), within the server's limits."""
     if not isinstance(body, dict) or set(body) != {"graph"}:
@@ -145,17 +141,17 @@ def decode_trace(
 @router.post("/v1/vinterp/trace")
 async def trace(request: Request) -> JSONResponse:
     """Run one serialized trace; its outputs, saves and failure (one that names the line)."""
-    engine, limit = _engine(request), limits.current()
+    engine, limit = _engine(request), client_limits.current()
     stages = engine.vllm_config.parallel_config.pipeline_parallel_size
     try:
         body = await _json_body(request)
         wire, graph, plan = decode_trace(body, _config(request), stages, limit)
     except PlanError as exc:
-        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+        return bad_request(str(exc), out_of_order=exc.out_of_order)
     except LimitError as exc:
         return exc.response()
     except (BadRequest, WireError) as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     from vinterp.engine.async_vllm_engine import run_trace
     from vinterp.engine.vllm_engine import collected_result
 
@@ -165,9 +161,9 @@ async def trace(request: Request) -> JSONResponse:
     except LimitError as exc:
         return exc.response()
     except PlanError as exc:
-        return _bad_request(str(exc), out_of_order=exc.out_of_order)
+        return bad_request(str(exc), out_of_order=exc.out_of_order)
     except InterventionError as exc:  # a trace this engine cannot run (a prompt too long)
-        return _bad_request(str(exc), type=InterventionError.__name__)
+        return bad_request(str(exc), kind=InterventionError.__name__)
     if ran is None:
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     outputs, per_worker = ran
@@ -249,7 +245,7 @@ async def put_steering(request: Request) -> JSONResponse:
     except LimitError as exc:
         return exc.response()
     except (BadRequest, WireError, ValueError) as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     return await get_steering(request)
 
 
@@ -264,7 +260,7 @@ async def delete_steering(request: Request, name: str | None = None) -> JSONResp
         await engine.collective_rpc("vinterp_register_steering", args=(name, None))
         del state.named[name]
     else:
-        return _bad_request(f"no steering named {name!r} is registered")
+        return bad_request(f"no steering named {name!r} is registered")
     return await get_steering(request)
 
 

@@ -92,8 +92,3 @@ class Pattern:
             attended &= key_at > query_at - self.math.window
         probs = torch.softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
         return torch.nn.functional.pad(probs, (self.key_start, 0))
-
-
-def materialized(value: Any) -> Any:
-    """`value`, a pattern computed whole."""
-    return value.full() if isinstance(value, Pattern) else value

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from vinterp.sites.attention_pattern import Pattern, PatternMath
+from vinterp.sites.hf_hooks import SiteCallback
 from vinterp.sites.modules import SiteModules
 
-SiteCallback = Callable[[str, Any], torch.Tensor | None]
 _PREFIX = "vinterp_sites_"
 _LAYER = "_vinterp_layer"  # attribute of a hooked attention module: its layer index
 _CALLBACK = "_vinterp_heads"

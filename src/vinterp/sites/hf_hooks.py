@@ -15,10 +15,14 @@ from typing import Any
 
 import torch
 
+from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import Router
 
-SiteCallback = Callable[[str, torch.Tensor], torch.Tensor | None]
+# What every site of an HF model runs through (these hooks and `hf_attention`'s per-head
+# sites): the site's name and its value, a tensor or, at a pattern site, its `Pattern`; a
+# returned tensor replaces the value.
+SiteCallback = Callable[[str, torch.Tensor | Pattern], torch.Tensor | None]
 
 
 def _first(out: Any) -> torch.Tensor:

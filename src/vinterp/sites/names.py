@@ -22,7 +22,7 @@ HEAD_SITES = ("attn.q", "attn.k", "attn.v", "attn.heads")
 PATTERN = "attn.pattern"
 LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", "output")
 STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
-READ_ONLY = ("mlp.router.experts", PATTERN)  # parts a trace reads but never writes
+READ_ONLY_PARTS = ("mlp.router.experts", PATTERN)  # parts a trace reads but never writes
 RAW_PREFIX = "raw."
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a
 # name that parses is one SiteOrder knows (or out of range).
@@ -105,7 +105,7 @@ def is_steerable(site: str) -> bool:
 def is_read_only(site: str) -> bool:
     """Whether a trace may only read this site (a router's expert ids follow from its logits)."""
     parsed = parse_site(site, pattern=True)
-    return parsed.kind == "layer" and parsed.part in READ_ONLY
+    return parsed.kind == "layer" and parsed.part in READ_ONLY_PARTS
 
 
 def is_pattern(site: str) -> bool:

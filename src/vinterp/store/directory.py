@@ -32,7 +32,7 @@ def shard_name(index: int) -> str:
 
 
 class ActivationStore:
-    """The manifest and the files of one directory; `commit` adds a shard."""
+    """The manifest and the files of one directory; `write` then `add` adds a shard."""
 
     def __init__(self, root: Path, manifest: Manifest, columns: hf_format.Columns) -> None:
         self.root = root
@@ -109,18 +109,6 @@ class ActivationStore:
         """The manifest, then state.json (load_from_disk then sees only listed shards)."""
         files.write_json(self.root / MANIFEST, self.manifest.to_json())
         files.write_json(self.root / hf_format.STATE, self.state())
-
-    def commit(
-        self, start: int, end: int, values: dict[str, np.ndarray], counts: dict[str, int]
-    ) -> ShardEntry:
-        """Write the shard of prompts [start, end) (they must follow the last one) and list it."""
-        entry = self.write(len(self.manifest.shards), start, end, values, counts)
-        try:
-            self.add([entry])
-        except ValueError:
-            (self.root / entry.file).unlink(missing_ok=True)
-            raise
-        return entry
 
     def write(
         self,

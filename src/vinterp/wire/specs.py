@@ -327,9 +327,12 @@ def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
 
 
 def capture_sites(capture: Capture, order: SiteOrder) -> list[str]:
-    """The sites a capture names on this model, expanded; raises ValueError (an unknown site,
-    or a head the model does not have)."""
-    sites = [s for pattern in capture.sites for s in order.expand(pattern)]
+    """The sites a capture names on this model, expanded; raises ValueError naming the field
+    (`capture.sites`: an unknown site, `capture.heads`: a head the model does not have)."""
+    try:
+        sites = [s for pattern in capture.sites for s in order.expand(pattern)]
+    except UnknownSiteError as exc:
+        raise ValueError(f"capture.sites: {exc}") from None
     if capture.heads is not None and order.heads is not None:
         heads = order.heads.heads
         if max(capture.heads) >= heads:

@@ -68,7 +68,7 @@ class SitePoint:
         elif name in self._parts:
             self._llm.active_trace().record_write(self._site(name), value)
         elif name == "weight":
-            raise AttributeError(READ_ONLY)
+            raise AttributeError(PARAMS_READ_ONLY_MESSAGE)
         else:
             raise AttributeError(f"cannot set {name!r} on {self._prefix}; set .input or .output")
 
@@ -76,7 +76,10 @@ class SitePoint:
         return f"<site {self._prefix}>"
 
 
-READ_ONLY = "parameters are read-only in a trace; compute with the value (w * 2) or write a site"
+# what writing a parameter (`.weight`, or any attribute of a ParamPoint) raises
+PARAMS_READ_ONLY_MESSAGE = (
+    "parameters are read-only in a trace; compute with the value (w * 2) or write a site"
+)
 
 
 class ParamPoint:
@@ -97,7 +100,7 @@ class ParamPoint:
         raise AttributeError(f"{self._path} has no parameter module {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(READ_ONLY)
+        raise AttributeError(PARAMS_READ_ONLY_MESSAGE)
 
     def __repr__(self) -> str:
         return f"<parameters {self._path}>"

@@ -1,4 +1,4 @@
-"""The server's limits (`vinterp.serve.limits`) on a Starlette app of their own: bodies over
+"""The server's limits (`vinterp.serve.client_limits`) on a Starlette app of their own: bodies over
 the limit get a 413 from their declared size before anything is read, or as soon as a
 streamed body passes it; a body trickled in past the time limit a 408; a body within both
 reaches the route intact; an API key over its
@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from vinterp.serve import limits
-from vinterp.serve.limits import LimitError, ServeLimits, TraceGate, read_body
+from vinterp.serve import client_limits
+from vinterp.serve.client_limits import LimitError, ServeLimits, TraceGate, read_body
 
 LIMIT = 1000
 LIMITS = ServeLimits(body_bytes=LIMIT, body_seconds=1)
@@ -114,9 +114,11 @@ def test_a_key_over_its_running_traces_is_refused_and_gets_its_slots_back() -> N
 
 
 def test_limits_come_from_the_environment_and_bad_ones_are_refused(monkeypatch) -> None:
-    monkeypatch.delenv(limits.ENV, raising=False)
-    assert limits.current() == ServeLimits()
-    limits.to_environment(ServeLimits(body_bytes=5, traces_per_key=1))
-    assert limits.current().body_bytes == 5 and limits.current().traces_per_key == 1
+    # recorded (an empty value reads as unset), so the value to_environment sets is undone
+    # and the later tests' servers get the defaults
+    monkeypatch.setenv(client_limits.ENV, "")
+    assert client_limits.current() == ServeLimits()
+    client_limits.to_environment(ServeLimits(body_bytes=5, traces_per_key=1))
+    assert client_limits.current().body_bytes == 5 and client_limits.current().traces_per_key == 1
     with pytest.raises(ValueError, match="greater than 0"):
         ServeLimits(nodes=0)

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from vinterp.serve.error_responses import error_response
+
 ENV = "VINTERP_SERVE_LIMITS"
 
 
@@ -60,8 +62,7 @@ class LimitError(ValueError):
 
     def response(self) -> JSONResponse:
         """The refusal in the error form of vLLM's server."""
-        error = {"message": str(self), "type": self.KINDS[self.status], "code": self.status}
-        return JSONResponse({"error": error}, status_code=self.status)
+        return error_response(str(self), self.status, self.KINDS[self.status])
 
 
 def check_declared_size(request: Request, limits: ServeLimits) -> None:
