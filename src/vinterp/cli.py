@@ -26,6 +26,7 @@ SERVE_FULL = {
     "serve_compare_seconds": serve_load.COMPARE_SECONDS,
 }
 SERVE_QUICK = {"serve_seconds": 60, "serve_compare_seconds": 30}
+SERVE_USAGE = "%(prog)s [MODEL] [options below] [vLLM serve flags, --model MODEL among them]"
 
 
 def _prepare(_: argparse.Namespace) -> None:
@@ -190,8 +191,9 @@ def _peer_list(text: str) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    """`args.rest`: the model and vLLM's flags, read as `vllm serve` reads them."""
+    from vinterp.serve import launch
     from vinterp.serve.client_limits import to_environment
-    from vinterp.serve.launch import serve
 
     given = {
         "body_bytes": args.max_body_mb and args.max_body_mb << 20,
@@ -203,7 +205,8 @@ def _serve(args: argparse.Namespace) -> None:
     }
     to_environment(ServeLimits(**{k: v for k, v in given.items() if v is not None}))
 
-    serve(args.model, args.host, args.port, args.api_key, args.rest, args.capture_in_graph)
+    model, rest = launch.split_model(args.rest)
+    launch.serve(model, args.host, args.port, args.api_key, rest, args.capture_in_graph)
 
 
 def _extract(args: argparse.Namespace) -> None:
@@ -407,9 +410,15 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     bench.set_defaults(run=_bench)
     serve = commands.add_parser(
-        "serve", help="vLLM's OpenAI-compatible server with vinterp (other flags: vLLM's)"
+        "serve",
+        help="vLLM's OpenAI-compatible server with vinterp (other flags: vLLM's)",
+        usage=SERVE_USAGE,
+        description="The model (default: the bundled one) is given as to `vllm serve`: the "
+        "positional argument (first, as `vllm serve MODEL`) or --model MODEL anywhere; a "
+        "checkpoint here or a Hugging Face repo id. Every flag not listed here is vLLM's: "
+        "vLLM's own parser reads it, and it is passed on unchanged.",
+        allow_abbrev=False,  # a vLLM flag is never taken for an abbreviation of vinterp's
     )
-    serve.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: bundled)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="required as Bearer token on every route")
