@@ -6,9 +6,10 @@ engines whose config carries vinterp's `additional_config` key. Plain vLLM engin
 the same process as vinterp ones, or with vinterp merely installed — are unaffected.
 
 vLLM does not catch a plugin's errors: an import of runner modules that a vLLM release moved
-would end every vLLM process. So the plugin first checks the boundary (`vllm_boundary.targets`):
-where this vLLM does not fit vinterp's hooks it patches nothing and logs one warning; vinterp
-engines are refused at their start (`check_boundary`), plain ones run as without vinterp.
+would end every vLLM process. So the plugin first checks the release and the classes it patches
+(`vllm_boundary.targets`): where they do not fit it patches nothing and logs one warning. The
+whole boundary is checked where a vinterp engine starts (`check_boundary`, in the front end
+and in each worker), so plain vLLM processes pay nothing for it.
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ def register() -> None:
     the CPU, let vLLM load the compiled model it saved. Where this vLLM does not fit the hooks:
     nothing but a warning that says why."""
     platform = targets.current_platform_name()
-    problems = targets.boundary_problems(platform)
-    if problems:
-        message = targets.boundary_message(targets.vllm_version(), problems)
-        log.warning("vinterp's vLLM plugin patches nothing: %s", message)
+    # both GPU runners: V2 (vLLM's default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0)
+    patched = [targets.CPU_RUNNER] if platform == "cpu" else [targets.V1_RUNNER, targets.V2_RUNNER]
+    version = targets.vllm_version()
+    problem = targets.version_problem(version)
+    try:
+        runners = [targets.resolve(where) for where in patched]
+    except (ImportError, AttributeError) as exc:
+        problem = problem or targets.boundary_message(version, [f"a runner is gone ({exc})"])
+    if problem is not None:
+        log.warning("vinterp's vLLM plugin patches nothing: %s", problem)
         return
+    for runner in runners:
+        _patch_load_model(runner)
     if platform == "cpu":
         from vinterp.engine.vllm_boundary.cpu_compile_cache import patch_aot_loading
 
-        _patch_load_model(targets.resolve(targets.CPU_RUNNER))
         patch_aot_loading()
-    else:  # both GPU runners: V2 (vLLM's default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0)
-        _patch_load_model(targets.resolve(targets.V1_RUNNER))
-        _patch_load_model(targets.resolve(targets.V2_RUNNER))

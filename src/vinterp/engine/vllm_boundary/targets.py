@@ -12,12 +12,14 @@ Bringing in a new vLLM release: docs/DESIGN.md, "The vLLM boundary".
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib
 import inspect
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ class Target:
     use: str
     params: tuple[str, ...] = ()  # parameters the hook passes or reads
     fields: tuple[str, ...] = ()  # fields (dataclass or class attributes) vinterp reads
+    instance: tuple[str, ...] = ()  # attributes its instances set on themselves (self.x = ...)
     platform: str = "any"  # "cpu", "gpu" or "any": where an engine runs through it
     verified: tuple[str, ...] = ("0.32.0",)
 
@@ -72,6 +75,16 @@ TARGETS: tuple[Target, ...] = (
         f"{V1_RUNNER}._prepare_inputs",
         "wrapped: reads the batch layout (input_batch.req_ids, query_start_loc)",
         ("scheduler_output",),
+    ),
+    Target(
+        V1_RUNNER,
+        "read: the batch layout and the sampler",
+        instance=("input_batch", "query_start_loc", "sampler"),
+    ),
+    Target(
+        "vllm.v1.worker.gpu_input_batch:InputBatch",
+        "read: the V1 batch's requests",
+        fields=("num_reqs", "req_ids"),
     ),
     Target(
         f"{V1_RUNNER}._determine_batch_execution_and_padding",
@@ -131,6 +144,11 @@ TARGETS: tuple[Target, ...] = (
         ("compile_native",),
     ),
     Target(
+        "vllm.model_executor.custom_op:CustomOp",
+        "switched for an uncompiled step: the method forward calls",
+        instance=("_forward_method",),
+    ),
+    Target(
         "vllm.config.compilation:CompilationConfig",
         "read and restored: the custom ops an uncompiled engine enables",
         fields=("custom_ops", "enabled_custom_ops", "disabled_custom_ops", "mode"),
@@ -144,6 +162,11 @@ TARGETS: tuple[Target, ...] = (
         "vllm.v1.engine.core_client:SyncMPClient._send_input",
         "called: a collective_rpc utility message sent without blocking",
         ("request_type", "request"),
+    ),
+    Target(
+        "vllm.v1.engine.core_client:SyncMPClient",
+        "read and filled: the futures utility answers go to; the engine core's resources",
+        instance=("utility_results", "resources"),
     ),
     Target(
         "vllm.v1.engine.core_client:BackgroundResources",
@@ -203,6 +226,28 @@ def _field_names(obj: Any) -> set[str]:
     return names
 
 
+def _assigned_on_self(cls: Any) -> set[str]:
+    """The attributes the methods of `cls` and its bases set as `self.x = ...`."""
+    names: set[str] = set()
+    for owner in getattr(cls, "__mro__", ()):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(owner)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets = [node.target]
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    names.add(target.attr)
+    return names
+
+
 def target_problem(target: Target) -> str | None:
     """What no longer fits of one target, or None."""
     try:
@@ -218,6 +263,9 @@ def target_problem(target: Target) -> str | None:
         if missing:
             return f"{target.where} no longer takes {', '.join(missing)}"
     missing = [f for f in target.fields if f not in _field_names(obj)]
+    if target.instance:
+        assigned = _assigned_on_self(obj)
+        missing += [a for a in target.instance if a not in assigned]
     if missing:
         return f"{target.where} no longer has {', '.join(missing)}"
     return None
