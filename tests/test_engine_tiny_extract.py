@@ -113,9 +113,12 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
 
     llm = engines.vllm(tiny_llama, **engine_settings(SITES))  # the engine `vinterp extract` starts
     kwargs = {"skip_first": 1, "buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
-    resumed = llm.extract(prompts_file, SITES, out=killed, **kwargs)
+    resumed = llm.extract(prompts_file, SITES, out=killed, **kwargs).dataset
     whole = tmp_path / "whole"
-    uninterrupted = llm.extract(prompts_file, SITES, out=whole, **kwargs)
+    run = llm.extract(prompts_file, SITES, out=whole, **kwargs)
+    uninterrupted = run.dataset
+    assert run.stats.rows == len(uninterrupted) and run.stats.shards >= 4
+    assert run.stats.bytes == manifest(whole)["totals"]["bytes"] and run.stats.seconds > 0
     assert len(manifest(whole)["shards"]) >= 4
     assert manifest(killed)["shards"] == manifest(whole)["shards"]
     assert len(resumed) == len(uninterrupted) == sum(len(llm.encode(p)) - 1 for p in PROMPTS)
@@ -153,8 +156,8 @@ def test_a_failed_run_leaves_the_engine_as_it_was(
     assert [o.token_ids for o in llm.generate(PROMPTS, max_tokens=3, use_tqdm=False)] == before
 
     assert len(manifest(out)["shards"]) == 1
-    resumed = columns_of(llm.extract(PROMPTS * 3, SITES, out=out, **kwargs))
-    whole = columns_of(llm.extract(PROMPTS * 3, SITES, out=tmp_path / "whole", **kwargs))
+    resumed = columns_of(llm.extract(PROMPTS * 3, SITES, out=out, **kwargs).dataset)
+    whole = columns_of(llm.extract(PROMPTS * 3, SITES, out=tmp_path / "whole", **kwargs).dataset)
     assert manifest(out)["shards"] == manifest(tmp_path / "whole")["shards"]
     for name in whole:
         assert torch.equal(resumed[name], whole[name]), name
@@ -192,8 +195,12 @@ def test_rows_equal_the_transformers_backends_with_one_prompt_queued_at_a_time(
     on the vLLM engine and on the transformers reference alike."""
     monkeypatch.setattr(extract_module, "QUEUED_STEPS", 0)
     kwargs = {"buffer_gb": 1.0, "use_tqdm": False}  # every prompt in one shard
-    got = columns_of(engines.vllm(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "v", **kwargs))
-    want = columns_of(engines.hf(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "h", **kwargs))
+    got = columns_of(
+        engines.vllm(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "v", **kwargs).dataset
+    )
+    want = columns_of(
+        engines.hf(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "h", **kwargs).dataset
+    )
     assert len(manifest(tmp_path / "v")["shards"]) == 1
     for name in ("prompt", "position", "token"):
         assert torch.equal(got[name], want[name]), name
@@ -220,14 +227,15 @@ def test_positions_skip_first_dtype_and_too_long_prompts(
 
     last = llm.extract(
         prompts, "layers.2.output", "last_prompt", out=tmp_path / "last", dtype="float16"
-    )
+    ).dataset
     assert last.features["layers.2.output"].feature.dtype == "float16"
     assert last["prompt"][:] == [0, 2, 3]
     assert last["position"][:] == [lengths[0] - 1, 0, lengths[3] - 1]
     totals = manifest(tmp_path / "last")["totals"]
     assert totals["skipped_too_long"] == 1 and totals["rows"] == 3
 
-    listed = llm.extract(prompts, "layers.2.output", [0, 1, 5], out=tmp_path / "list", skip_first=1)
+    out = tmp_path / "list"
+    listed = llm.extract(prompts, "layers.2.output", [0, 1, 5], out=out, skip_first=1).dataset
     assert lengths[0] > 5 and lengths[3] > 5
     assert listed["prompt"][:] == [0, 0, 3, 3] and listed["position"][:] == [1, 5, 1, 5]
     assert manifest(tmp_path / "list")["totals"]["prompts_without_rows"] == 1  # "The"
@@ -240,7 +248,8 @@ def test_another_spec_in_the_same_folder_is_refused(
     llm.extract(PROMPTS[:2], "layers.1.output", out=tmp_path, use_tqdm=False)
     steps = llm.step_stats()["steps"]
     again = llm.extract(PROMPTS[:2], "layers.1.output", out=tmp_path, use_tqdm=False)
-    assert llm.step_stats()["steps"] == steps and len(again) > 0  # complete: nothing to run
+    assert llm.step_stats()["steps"] == steps and len(again.dataset) > 0  # complete: nothing run
+    assert again.stats.rows == 0 and again.stats.seconds == 0
     with pytest.raises(SpecMismatchError, match=r"(?s)another spec.*sites: \['layers.1.output'\]"):
         llm.extract(PROMPTS[:2], "layers.2.output", out=tmp_path)
     with pytest.raises(SpecMismatchError, match="prompts.sha256"):

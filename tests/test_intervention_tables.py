@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -152,8 +153,8 @@ def test_the_site_ops_of_every_layer_compile_to_one_graph() -> None:
     """Two layers with steering and a capture buffer at their outputs: the same graph but for
     its inputs, so vLLM compiles it once, not once per layer (site ids as constants made
     every layer's graph its own)."""
-    from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.engine.site_ops import SiteCalls
+    from vinterp.engine.vllm_boundary.site_modules import _add_sites
 
     graphs = []
 
@@ -454,7 +455,7 @@ def test_decode_steps_follow_the_batch_as_it_changes() -> None:
     for step, (order, steered_ids) in enumerate(steps):
         requests = [request(r, range(10 + step, 11 + step), 5, [spec]) for r in sorted(steered_ids)]
         state.plan(requests)
-        state.write(lambda: [(r, i, i + 1) for i, r in enumerate(order)], len(order))
+        state.write(partial(list, [(r, i, i + 1) for i, r in enumerate(order)]), len(order))
         if step == 1:  # not copied again: the value planted after step 0 is still there
             assert int(state.buffers.token_combo[1]) == 7
             state.buffers.token_combo[1] = 0
@@ -497,8 +498,8 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     gate inside it, so the router site runs eagerly, also while a CUDA graph records the step
     (when nothing is captured or steered): its gathers and steering must be recorded then, or
     every replay skips them. The capture is simulated here (the CPU has no CUDA graphs)."""
-    from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.engine.site_ops import SiteCalls
+    from vinterp.engine.vllm_boundary.site_modules import _add_sites
     from vinterp.interventions import graph_recording
 
     experts, top_k = 6, 2

@@ -171,6 +171,20 @@ def test_a_shard_that_does_not_follow_is_refused(tmp_path: Path) -> None:
         commit(store, 1, 2, rows(1, 2), {})
 
 
+def pending(
+    start: int, end: int, build: Callable[[], dict[str, np.ndarray]], taken: list[int] | None = None
+) -> PendingShard:
+    """A shard whose take records its start in `taken` (if given) and whose build calls
+    `build`."""
+
+    def take() -> int:
+        if taken is not None:
+            taken.append(start)
+        return start
+
+    return PendingShard(start, end, take, lambda _rows: build())
+
+
 def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     release = threading.Event()
@@ -183,12 +197,12 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
 
     def make(start: int, end: int, build: Callable[[], Any]) -> PendingShard:
         made.append(start)
-        return PendingShard(start, end, build)
+        return pending(start, end, build)
 
     with ShardWriter(store, threads=1, queued=1) as writer:
-        writer.put(partial(make, 0, 1, lambda: slow(0, 1)))  # taken by the thread, blocked
+        writer.put(partial(make, 0, 1, lambda: slow(0, 1)))  # taken by the writer, blocked
         writer.put(partial(make, 1, 2, lambda: rows(1, 2)))  # fills the queue
-        free = writer.waited_s  # two puts into free slots
+        free = writer.stats.caller_waited_s  # two puts into free room
         third = threading.Thread(target=writer.put, args=(partial(make, 2, 4, lambda: rows(2, 4)),))
         third.start()
         third.join(0.3)
@@ -196,9 +210,25 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
         assert made == [0, 1]  # and the third shard's rows are not asked for meanwhile
         release.set()
         third.join(10)
-    assert free < 0.1 and writer.waited_s >= 0.3 + free  # the summary line's "waited"
+    assert free < 0.1 and writer.stats.caller_waited_s >= 0.3 + free
     assert [s.end for s in store.manifest.shards] == [1, 2, 4]
+    assert (writer.stats.shards, writer.stats.rows) == (3, len(rows(0, 4)["prompt"]))
+    assert writer.stats.bytes == sum(s.bytes for s in store.manifest.shards)
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
+
+
+def test_the_writers_wait_for_rows_is_counted(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+
+    def late_rows() -> int:
+        time.sleep(0.3)  # the take's round trip: the rows are not there yet
+        return 0
+
+    with ShardWriter(store, threads=2) as writer:
+        writer.put(lambda: PendingShard(0, 1, late_rows, lambda _rows: rows(0, 1)))
+        writer.put(lambda: pending(1, 2, lambda: rows(1, 2)))
+    assert 0.3 <= writer.stats.rows_waited_s < 0.3 + 0.2
+    assert writer.stats.caller_waited_s < 0.1
 
 
 def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
@@ -208,7 +238,7 @@ def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
         raise RuntimeError("column build failed")
 
     writer = ShardWriter(store)
-    writer.put(partial(PendingShard, 0, 1, broken))
+    writer.put(partial(pending, 0, 1, broken))
     with pytest.raises(RuntimeError, match="column build failed"):
         writer.close()
     assert store.manifest.shards == []
@@ -230,9 +260,9 @@ def test_shards_finished_out_of_order_are_listed_in_order(tmp_path: Path) -> Non
         return rows(2, 4)
 
     with ShardWriter(store, threads=3) as writer:
-        writer.put(partial(PendingShard, 0, 1, first))
-        writer.put(partial(PendingShard, 1, 2, lambda: rows(1, 2)))
-        writer.put(partial(PendingShard, 2, 4, last))
+        writer.put(partial(pending, 0, 1, first))
+        writer.put(partial(pending, 1, 2, lambda: rows(1, 2)))
+        writer.put(partial(pending, 2, 4, last))
     assert [(s.file, s.end) for s in store.manifest.shards] == [
         ("data-00000.arrow", 1),
         ("data-00001.arrow", 2),
@@ -245,15 +275,21 @@ def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
     tmp_path: Path,
 ) -> None:
     store = open_store(tmp_path)
+    first_listed = threading.Event()
 
     def broken() -> dict[str, np.ndarray]:
+        assert first_listed.wait(10)  # shard 0 is listed before this one fails
         raise RuntimeError("column build failed")
+
+    def first() -> dict[str, np.ndarray]:
+        threading.Timer(0.2, first_listed.set).start()
+        return rows(0, 1)
 
     with pytest.raises(RuntimeError, match="column build failed"):  # noqa: PT012
         with ShardWriter(store, threads=3) as writer:
-            writer.put(partial(PendingShard, 0, 1, lambda: rows(0, 1)))
-            writer.put(partial(PendingShard, 1, 2, broken))
-            writer.put(partial(PendingShard, 2, 3, lambda: rows(2, 3)))
+            writer.put(partial(pending, 0, 1, first))
+            writer.put(partial(pending, 1, 2, broken))
+            writer.put(partial(pending, 2, 3, lambda: rows(2, 3)))
             writer.close()
     assert [s.end for s in store.manifest.shards] == [1]
     reopened = open_store(tmp_path)  # shard 2 may have been written: unlisted, it goes
@@ -262,12 +298,12 @@ def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 3)["prompt"])
 
 
-def test_shards_put_after_a_failed_one_are_dropped_not_built(tmp_path: Path) -> None:
-    """Their captured rows are let go (`drop`), so a failed run leaves nothing behind."""
+def test_shards_put_after_a_failed_one_are_taken_not_built(tmp_path: Path) -> None:
+    """Their captured rows are taken and let go, so a failed run leaves nothing behind."""
     store = open_store(tmp_path)
     go = threading.Event()
     built: list[int] = []
-    dropped: list[int] = []
+    taken: list[int] = []
 
     def broken() -> dict[str, np.ndarray]:
         assert go.wait(10)
@@ -278,48 +314,40 @@ def test_shards_put_after_a_failed_one_are_dropped_not_built(tmp_path: Path) -> 
         return rows(start, end)
 
     writer = ShardWriter(store, threads=1, queued=3)
-    writer.put(partial(PendingShard, 0, 1, broken))
+    writer.put(partial(pending, 0, 1, broken, taken))
     for start in (1, 2):  # put while the first shard is still being written
-        shard = partial(PendingShard, start, start + 1, partial(build, start, start + 1))
-        writer.put(partial(shard, drop=partial(dropped.append, start)))
+        writer.put(partial(pending, start, start + 1, partial(build, start, start + 1), taken))
     go.set()
     with pytest.raises(RuntimeError, match="disk full"):
         writer.close()
-    assert built == [] and dropped == [1, 2]
+    assert built == [] and taken == [0, 1, 2]
     assert store.manifest.shards == [] and not list(tmp_path.glob("data-*"))
 
 
-def test_after_a_manifest_that_cannot_be_saved_later_shards_are_dropped(
+def test_after_a_manifest_that_cannot_be_saved_later_shards_are_not_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Listing a written shard fails (the disk filled between its file and the manifest):
-    the shards not yet begun are dropped as after a failed write, never built."""
+    the shards after it are taken, as after a failed write, never built."""
     store = open_store(tmp_path)
 
     def full_disk() -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store, "save", full_disk)
-    go = threading.Event()
     built: list[int] = []
-    dropped: list[int] = []
+    taken: list[int] = []
     writer = ShardWriter(store, threads=1, queued=3)
 
     def build(start: int) -> dict[str, np.ndarray]:
         built.append(start)
-        if start == 0:  # once every shard is put
-            assert go.wait(10)
-        if start == 1:  # written on the one thread while shard 0 is being listed
-            writer._failed.wait(5)  # the listing's failure has been recorded
         return rows(start, start + 1)
 
     for start in (0, 1, 2):
-        shard = partial(PendingShard, start, start + 1, partial(build, start))
-        writer.put(partial(shard, drop=partial(dropped.append, start)))
-    go.set()
+        writer.put(partial(pending, start, start + 1, partial(build, start), taken))
     with pytest.raises(StoreError, match="No space left on device"):
         writer.close()
-    assert built == [0, 1] and dropped == [2]
+    assert built == [0] and taken == [0, 1, 2]
     assert store.manifest.shards == []
 
 
@@ -434,7 +462,7 @@ def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
     }
     outputs = [Output(p.ids, [0], "") for p in prompts]
     values = shard_columns(
-        prompts, outputs, ["c0", "c1"], lambda: rows, Capture([SITE], positions="all_prompt"), store
+        prompts, outputs, ["c0", "c1"], Capture([SITE], positions="all_prompt"), store, rows
     )
     assert values[SITE].dtype == np.uint16
     assert values["token"].tolist() == [6, 7, 9] and values["prompt"].tolist() == [0, 0, 3]

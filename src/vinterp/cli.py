@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from vinterp.api.extract import BUFFER_GB
-from vinterp.bench import serve_load
+from vinterp.bench import extract_pipeline, serve_load, step_cost
 from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
 from vinterp.bench.workloads import ON_REQUEST, SELECTABLE
@@ -115,6 +115,12 @@ def _bench(args: argparse.Namespace) -> None:
         progress=progress,
         **engine_kwargs,
     )
+    if extract_pipeline.KEY in workloads:
+        rows += extract_pipeline.run(args.extract_dir, repeats=size["repeats"])
+        progress(extract_pipeline.KEY)
+    if step_cost.KEY in workloads:
+        rows += step_cost.run(repeats=size["repeats"])
+        progress(step_cost.KEY)
     details = {}
     if serve_load.KEY in workloads:
         serve_rows, details[serve_load.KEY] = _serve_load(args, str(model), engine_kwargs)

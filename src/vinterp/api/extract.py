@@ -7,13 +7,15 @@ with the same spec."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import itertools
+import json
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -50,16 +52,16 @@ from vinterp.store import (
     PendingShard,
     ShardWriter,
     column_values,
-    content_hash,
     row_size,
 )
 from vinterp.wire.specs import Capture, RequestSpecs
 
 log = logging.getLogger(__name__)
-# The attribute of the log record each run ends with: how long the engine's feed waited for
-# the shard writers (`vinterp bench` reports it beside the run's time).
-WRITERS_WAITED = "writers_waited_s"
-BUFFER_GB = 2.0  # host memory for the shards in flight, unless told
+BUFFER_GB = 2.0  # memory for captured rows in flight, host and device, unless told
+# The share of `buffer_gb` for rows still on the workers' devices: those of the prompts queued
+# in the engine and of finished shards whose take has not been sent. The rest is host memory
+# for the shards in the writer's hands.
+DEVICE_SHARE = 0.25
 # Shards queued for a writer thread, their rows already asked for: the take's round trip to
 # the workers overlaps the writes in progress, so a thread that frees finds rows on their way.
 QUEUED_SHARDS = 2
@@ -86,7 +88,7 @@ def extract(
     use_tqdm: bool,
 ) -> Any:
     """Check everything, open (or resume) the dataset in `out`, run the shards, return the
-    dataset (`datasets.load_from_disk(out)`)."""
+    dataset (`datasets.load_from_disk(out)`) and what this call did."""
     import datasets
 
     positions = check_positions(positions, skip_first)
@@ -100,14 +102,26 @@ def extract(
     source = prompt_source(prompts, column)
     spec = extraction_spec(llm, limits, source, sites, positions, skip_first, dtype)
     columns = store_columns(sites, dtype, spec["hidden_size"])
-    about = {"prompts": source.description, "columns": {k: v[0] for k, v in columns.items()}}
+    about = dataset_about(source, columns)
     shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
     size = shard_bytes(columns, buffer_gb)
     store = ActivationStore.open(out, spec, columns, size, about, shard_tokens)
+    stats = ExtractionStats()
     if not store.manifest.complete:
-        queued = QUEUED_STEPS * (limits.step_tokens or 1)
-        run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
-    return datasets.load_from_disk(str(out))
+        queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
+        stats = run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
+    return Extraction(datasets.load_from_disk(str(out)), stats)
+
+
+def dataset_about(source: PromptSource, columns: Columns) -> dict[str, Any]:
+    """What the manifest says of a dataset beside its spec: where the prompts came from, the
+    columns' types, and the vinterp and vLLM versions of the run that began it (not in the
+    spec: an upgrade keeps a half-done dataset resumable)."""
+    return {
+        "prompts": source.description,
+        "columns": {k: v[0] for k, v in columns.items()},
+        "versions": versions(),
+    }
 
 
 def store_columns(sites: list[str], dtype: str, hidden_size: int) -> Columns:
@@ -122,8 +136,18 @@ def store_columns(sites: list[str], dtype: str, hidden_size: int) -> Columns:
 
 
 def shard_bytes(columns: Columns, buffer_gb: float) -> int:
-    """A shard's size: the host-memory buffer shared by the shards in flight (a row at least)."""
-    return max(int(buffer_gb * 2**30) // SHARDS_IN_FLIGHT, row_size(columns))
+    """A shard's size: the host share of `buffer_gb` over the shards in flight (a row at
+    least)."""
+    host = int(buffer_gb * (1 - DEVICE_SHARE) * 2**30)
+    return max(host // SHARDS_IN_FLIGHT, row_size(columns))
+
+
+def queued_tokens(step_tokens: int, columns: Columns, buffer_gb: float) -> int:
+    """Prompt tokens kept queued in the engine: `QUEUED_STEPS` steps' worth, fewer where
+    their rows (one a token at most) would pass the device share of `buffer_gb`, and one
+    step's at least (the engine must never wait for the feed)."""
+    device_rows = int(buffer_gb * DEVICE_SHARE * 2**30) // row_size(columns)
+    return max(min(QUEUED_STEPS * step_tokens, device_rows), step_tokens, 1)
 
 
 def engine_settings(
@@ -148,7 +172,7 @@ def extraction_spec(
     """What decides the rows: a directory holding another spec is refused."""
     return {
         "model": model_id(llm.model_path),
-        "model_hash": model_hash(llm.model_path),
+        "checkpoint": checkpoint_identity(llm.model_path),
         "backend": llm.backend.name,
         "engine_dtype": limits.dtype,
         "max_prompt_len": limits.max_prompt_len,
@@ -159,7 +183,6 @@ def extraction_spec(
         "column_dtype": COLUMN_DTYPE[dtype],  # how the values are stored (bfloat16: its bits)
         "hidden_size": int(llm.config.hidden_size),
         "prompts": {"count": source.count, "sha256": source.sha256},
-        "versions": versions(),
     }
 
 
@@ -167,6 +190,35 @@ def extraction_spec(
 # it never waits for the next prompts, few enough that captures awaiting their take stay small.
 QUEUED_STEPS = 4
 PREFILL_ONLY = sampling_kwargs({"max_tokens": 1})
+
+
+@dataclass
+class ExtractionStats:
+    """What one `extract` call did (nothing, for a dataset already complete): rows, shards
+    and bytes it wrote, prompt tokens it ran, its seconds, how long the engine's feed waited
+    for the disk writers (the disk set the pace) and how long the writers waited for rows
+    (the engine, or a take's round trip, did)."""
+
+    rows: int = 0
+    shards: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    engine_waited_s: float = 0.0
+    writers_waited_s: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Extraction:
+    """`llm.extract`'s result: the dataset (`datasets.load_from_disk(out)`) and the call's
+    statistics."""
+
+    dataset: Any
+    stats: ExtractionStats
 
 
 @dataclass
@@ -186,7 +238,7 @@ def run(
     capture: Capture,
     queued_tokens: int,
     use_tqdm: bool,
-) -> None:
+) -> ExtractionStats:
     """Shards from the first prompt not yet stored to the last; then the manifest is marked
     complete and a summary line printed. Every prompt goes through one stream of requests
     (`backend.stream`): a shard's captures are taken as soon as its last prompt is done and
@@ -249,27 +301,31 @@ def run(
             drop_captures(backend, started)
             raise
     store.finish()
-    waited = writer.waited_s
-    log.info(
-        "extract: the engine waited %.1f s for the disk writers",
-        waited,
-        extra={WRITERS_WAITED: waited},
+    written = writer.stats
+    stats = ExtractionStats(
+        written.rows,
+        written.shards,
+        written.bytes,
+        tokens,
+        time.perf_counter() - began,
+        written.caller_waited_s,
+        written.rows_waited_s,
     )
+    log.info("extract: %s", stats)
     if use_tqdm:
-        print(summary(store, time.perf_counter() - began, tokens, waited))
+        print(summary(store, stats))
+    return stats
 
 
 def pending_shard(
-    backend: StreamingBackend, entry: ShardRun, capture: Capture, store: ActivationStore
+    backend: Any, entry: ShardRun, capture: Capture, store: ActivationStore
 ) -> PendingShard:
-    """A finished shard for the writer: its captures are taken from the workers now and read
-    on the writer thread (no reference to the captured tensors stays here)."""
+    """A finished shard for the writer: its captures are asked for now and read on the writer
+    thread (no reference to the captured tensors stays here)."""
     taken = backend.take_captures_later(entry.capture_ids) if entry.capture_ids else dict
     shard = entry.shard
-    build = partial(
-        shard_columns, shard.prompts, entry.outputs, entry.capture_ids, taken, capture, store
-    )
-    return PendingShard(shard.start, shard.end, build, shard.counts, drop=taken)
+    build = partial(shard_columns, shard.prompts, entry.outputs, entry.capture_ids, capture, store)
+    return PendingShard(shard.start, shard.end, taken, build, shard.counts)
 
 
 def drop_captures(backend: StreamingBackend, started: deque[ShardRun]) -> None:
@@ -294,16 +350,16 @@ def shard_columns(
     prompts: list[PlannedPrompt],
     outputs: list[Output | None],
     capture_ids: list[str],
-    taken: Callable[[], Captured],
     capture: Capture,
     store: ActivationStore,
+    rows: Captured,
 ) -> dict[str, np.ndarray]:
-    """A shard's rows as column arrays; runs on the writer thread. A prompt missing any of
-    its rows is an InterventionError (`captured_tensors`), never a short shard."""
+    """A shard's `rows` (as taken from the workers) as column arrays; runs on the writer
+    thread. A prompt missing any of its rows is an InterventionError (`captured_tensors`),
+    never a short shard."""
     columns = store.columns
     if not prompts:
         return {n: np.zeros((0, w) if w else 0, d) for n, (d, w) in columns.items()}
-    rows = taken()
     counts = [len(p.positions) for p in prompts]
     values = {
         "prompt": np.repeat(np.asarray([p.index for p in prompts], np.int64), counts),
@@ -339,15 +395,18 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def summary(store: ActivationStore, seconds: float, tokens: int, waited: float) -> str:
-    """The closing line; `waited` (the engine's feed held up by busy writers) says when the
-    disk, not the model, set the pace."""
+def summary(store: ActivationStore, stats: ExtractionStats) -> str:
+    """The closing line; the engine's wait for the writers says when the disk, not the
+    model, set the pace, and the writers' wait for rows when the model did."""
     totals = store.manifest.totals()
+    seconds = max(stats.seconds, 1e-9)
     return (
         f"extract: {totals['rows']:,} rows from {totals['prompts_done']:,} prompts "
-        f"({totals.get(TOO_LONG, 0):,} skipped as too long), {store.bytes_written / 1e9:.2f} GB "
-        f"written in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) to "
-        f"{store.root}; the engine waited {waited:.1f} s for the disk writers"
+        f"({totals.get(TOO_LONG, 0):,} skipped as too long), {stats.bytes / 1e9:.2f} GB "
+        f"written in {stats.seconds:.1f} s ({stats.tokens / seconds:,.0f} tokens/s, "
+        f"{stats.gb_per_s:.2f} GB/s) to {store.root}; the engine waited "
+        f"{stats.engine_waited_s:.1f} s for the disk writers, the writers "
+        f"{stats.writers_waited_s:.1f} s for rows"
     )
 
 
@@ -376,9 +435,48 @@ def model_id(model: str | Path) -> str:
     return str(path.resolve()) if path.is_dir() else str(model)
 
 
-def model_hash(model: str | Path) -> str | None:
+# Files of a checkpoint folder that identify its weights: their names, sizes, and a sample of
+# bytes at each end (a fine-tune of the same shapes has the same sizes)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+SAMPLE_BYTES = 1 << 20
+# Keys of config.json that a re-save of the same weights may change
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
+
+
+def checkpoint_identity(model: str | Path) -> dict[str, Any] | None:
+    """What identifies a checkpoint folder without reading its weights whole: its config
+    (less the keys a re-save changes), each weight file's size and a hash of its first and
+    last `SAMPLE_BYTES`, and the tensor-to-file map of a sharded safetensors checkpoint.
+    None for a hub id (its name is the identity)."""
     path = Path(model)
-    return content_hash(path) if path.is_dir() else None
+    if not path.is_dir():
+        return None
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    for key in VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    weights = {
+        p.name: [p.stat().st_size, sampled_hash(p)]
+        for p in sorted(path.iterdir())
+        if p.is_file() and p.suffix in WEIGHT_SUFFIXES
+    }
+    identity: dict[str, Any] = {"config": config, "weights": weights}
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        identity["weight_map"] = json.loads(index.read_text()).get("weight_map", {})
+    return identity
+
+
+def sampled_hash(path: Path) -> str:
+    """sha256 of a file's first and last `SAMPLE_BYTES` (all of a smaller file)."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        digest.update(file.read(SAMPLE_BYTES))
+        if size > SAMPLE_BYTES:
+            file.seek(max(size - SAMPLE_BYTES, SAMPLE_BYTES))
+            digest.update(file.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def versions() -> dict[str, str | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.extract import BUFFER_GB, extract
+from vinterp.api.extract import BUFFER_GB, Extraction, extract
 from vinterp.api.front_end import TraceFrontEnd
 from vinterp.api.requests import Request, generate
 from vinterp.api.steering_control import SteeringControl
@@ -157,11 +157,12 @@ class LLM(LocalModel):
         column: str = "text",
         buffer_gb: float = BUFFER_GB,
         use_tqdm: bool = True,
-    ) -> Any:
+    ) -> Extraction:
         """Write the activations at `sites` of every prompt's `positions` to a Hugging Face
         `datasets` directory `out`, streaming with bounded memory; a run stopped at any moment
         continues when called again with the same arguments (API.md section 5, "Activation
-        datasets"). Returns the dataset (`datasets.load_from_disk(out)`)."""
+        datasets"). Returns the dataset (`.dataset`, `datasets.load_from_disk(out)`) and the
+        call's statistics (`.stats`: rows, bytes, seconds, the waits)."""
         return extract(
             self, prompts, sites, positions, out, dtype, skip_first, column, buffer_gb, use_tqdm
         )

@@ -19,12 +19,12 @@ import torch
 from vinterp.api.values import Value
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
+from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.errors import InterventionError, OutOfOrderError, TraceError
 from vinterp.ir.graph import STEP_ZERO, Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
 from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.executor import TraceResult
-from vinterp.engine.vllm_boundary.parallel import last_stage_start
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import PATTERN, UnknownSiteError, parse_site
 from vinterp.sites.params import param_shape, parse_param

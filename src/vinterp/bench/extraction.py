@@ -8,11 +8,10 @@ rows to the same disk (no engine): an extraction can be no faster than that or t
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -24,12 +23,11 @@ import torch
 
 from vinterp.api.extract import (
     BUFFER_GB,
-    WRITERS_WAITED,
+    ExtractionStats,
     engine_settings,
     shard_bytes,
     store_columns,
 )
-from vinterp.api.extract import log as extract_log
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -40,7 +38,6 @@ from vinterp.bench.harness import (
     timed_interleaved,
 )
 from vinterp.bench.peers.batching import batches
-from vinterp.engine.plain_vllm import greedy_params
 from vinterp.bench.workloads import (
     EXTRACT_HF,
     EXTRACT_LAYERS_ALL,
@@ -50,6 +47,7 @@ from vinterp.bench.workloads import (
     plain_vllm,
     vinterp_engine,
 )
+from vinterp.engine.plain_vllm import greedy_params
 from vinterp.store import ActivationStore, Columns, PendingShard, ShardWriter, row_size
 
 KEYS = EXTRACTION
@@ -63,7 +61,7 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
-class Extraction:
+class ExtractionCase:
     """One extraction row: what `llm.extract` is asked for, and the same in layer indices
     for the HF peer."""
 
@@ -80,17 +78,17 @@ def spaced_layers(n_layers: int, count: int) -> list[int]:
     return [(2 * i + 1) * n_layers // (2 * count) for i in range(count)]
 
 
-def extractions(n_layers: int, spaced: int) -> dict[str, Extraction]:
+def extractions(n_layers: int, spaced: int) -> dict[str, ExtractionCase]:
     layers = spaced_layers(n_layers, spaced)
     return {
-        EXTRACT_LAYERS_ALL: Extraction(
+        EXTRACT_LAYERS_ALL: ExtractionCase(
             EXTRACT_LAYERS_ALL,
             f"extract layers {','.join(map(str, layers))}.output, every prompt position",
             [f"layers.{i}.output" for i in layers],
             "all_prompt",
             layers,
         ),
-        EXTRACT_LAYERS_LAST: Extraction(
+        EXTRACT_LAYERS_LAST: ExtractionCase(
             EXTRACT_LAYERS_LAST,
             "extract layers.*.output last_prompt",
             ["layers.*.output"],
@@ -189,7 +187,7 @@ def run(
         times: dict[str, Timing] = {}
         hidden = int(config.hidden_size)
         for x in ours:
-            timing, written, count, waited = time_extract(
+            timing, written, count, stats = time_extract(
                 model, dtype, texts, x, repeats, root, **engine_kwargs
             )
             times[x.key] = timing
@@ -199,7 +197,8 @@ def run(
                 "gb_written": written / GB,
                 "gb_per_s": written / GB / timing.median,
                 "store_alone_s": alone.median,
-                "writers_waited_s": waited,
+                "engine_waited_s": stats.engine_waited_s,
+                "writers_waited_rows_s": stats.writers_waited_s,
             }
             rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
             progress(x.key)
@@ -233,17 +232,18 @@ def time_extract(
     model: str | Path,
     dtype: str,
     texts: list[str],
-    x: Extraction,
+    x: ExtractionCase,
     repeats: int,
     root: Path,
     **engine_kwargs: Any,
-) -> tuple[Timing, int, int, float]:
+) -> tuple[Timing, int, int, ExtractionStats]:
     """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
     sites, each run into a fresh directory under `root` that is deleted after the run (not
-    timed); the bytes of site values one run wrote, its rows, and how long its engine feed
-    waited for the shard writers (the median over the timed runs)."""
+    timed); the bytes of site values one run wrote, its rows, and the statistics of the
+    timed run of median time."""
     written: list[int] = []
     count: list[int] = []
+    stats: list[ExtractionStats] = []
     runs: list[Path] = []
     kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
     with vinterp_engine(model, dtype, **kwargs) as llm:
@@ -251,38 +251,19 @@ def time_extract(
         def extract(prompts: list[str] = texts) -> None:
             runs.append(Path(tempfile.mkdtemp(prefix="run-", dir=root)))
             out = runs[-1] / "acts"
-            dataset = llm.extract(prompts, x.sites, x.positions, out=out, use_tqdm=False)
-            written.append(payload_bytes(dataset, x.sites))
-            count.append(dataset.num_rows)
+            result = llm.extract(prompts, x.sites, x.positions, out=out, use_tqdm=False)
+            written.append(payload_bytes(result.dataset, x.sites))
+            count.append(result.dataset.num_rows)
+            stats.append(result.stats)
 
         def remove() -> None:
             shutil.rmtree(runs.pop(), ignore_errors=True)
 
         warm = {x.key: partial(extract, warm_up(texts))}
-        with writer_waits() as waits:
-            timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
-    return timing, written[-1], count[-1], float(np.median(waits[-len(timing.times) :]))
-
-
-@contextmanager
-def writer_waits() -> Iterator[list[float]]:
-    """The writers' waits of the `llm.extract` runs inside the block, in order, read from
-    the record each run logs."""
-    waits: list[float] = []
-
-    class Waits(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if hasattr(record, WRITERS_WAITED):
-                waits.append(getattr(record, WRITERS_WAITED))
-
-    handler, level = Waits(logging.INFO), extract_log.level
-    extract_log.addHandler(handler)
-    extract_log.setLevel(logging.INFO)
-    try:
-        yield waits
-    finally:
-        extract_log.removeHandler(handler)
-        extract_log.setLevel(level)
+        timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
+    timed = stats[-len(timing.times) :]
+    median = sorted(range(len(timed)), key=lambda k: timing.times[k])[len(timed) // 2]
+    return timing, written[-1], count[-1], timed[median]
 
 
 def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> Timing:
@@ -308,7 +289,7 @@ def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> T
             for index, start in enumerate(range(0, rows, per_shard)):
                 n = min(per_shard, rows - start)
                 shard = {name: values[:n] for name, values in block.items()}
-                writer.put(partial(PendingShard, index, index + 1, partial(dict, shard)))
+                writer.put(partial(PendingShard, index, index + 1, partial(dict, shard), dict))
 
     def remove() -> None:
         shutil.rmtree(runs.pop(), ignore_errors=True)
@@ -321,7 +302,7 @@ def hf_rows(
     model: str | Path,
     dtype: str,
     ids: list[list[int]],
-    peer: list[Extraction],
+    peer: list[ExtractionCase],
     repeats: int,
     plain: Timing,
     ours: dict[str, Timing],
@@ -351,7 +332,7 @@ def hf_rows(
 
 
 def time_hf(
-    hf: Any, ids: list[list[int]], x: Extraction, batch: int, device: str, repeats: int
+    hf: Any, ids: list[list[int]], x: ExtractionCase, batch: int, device: str, repeats: int
 ) -> tuple[Timing, int]:
     """Times of the HF extraction at `batch`, and the bytes of the rows one run collected
     (each run's rows are dropped before the next)."""
@@ -380,7 +361,7 @@ def hf_model(model: str | Path, dtype: str, device: str, dummy: bool) -> Any:
     return hf.eval()
 
 
-def tune_batch(hf: Any, ids: list[list[int]], x: Extraction, device: str) -> int:
+def tune_batch(hf: Any, ids: list[list[int]], x: ExtractionCase, device: str) -> int:
     """The fastest of HF_BATCHES, each run once (a batch that runs out of memory is
     skipped)."""
     best: tuple[int, float] | None = None
@@ -401,7 +382,7 @@ def tune_batch(hf: Any, ids: list[list[int]], x: Extraction, device: str) -> int
 
 @torch.inference_mode()
 def hf_extract(
-    hf: Any, ids: list[list[int]], x: Extraction, batch: int, device: str
+    hf: Any, ids: list[list[int]], x: ExtractionCase, batch: int, device: str
 ) -> dict[int, torch.Tensor]:
     """The layers' outputs (forward hooks) at the extraction's positions, in host memory:
     (rows, hidden) per layer, rows in prompt order. Right-padded batches through the base

@@ -32,9 +32,7 @@ def _runtime(max_seqs: int) -> WorkerRuntime:
     return WorkerRuntime(torch.nn.Identity(), modules, order, steer, ParallelLayout(), None)
 
 
-def _decoding(
-    runtime: WorkerRuntime, plain: int, steering: Steering | None
-) -> Callable[[], None]:
+def _decoding(runtime: WorkerRuntime, plain: int, steering: Steering | None) -> Callable[[], None]:
     """A runtime that knows `plain` running requests (steered by `steering`, if given) and
     `CAPTURING` capturing ones, all past their prompts; the returned call runs `STEPS` decode
     steps of them through `on_schedule` and `begin_step`."""
@@ -43,9 +41,7 @@ def _decoding(
     payload = {f"p{i}": own for i in range(plain)} | {
         f"c{i}": RequestSpecs(capture=capture, capture_id=f"c{i}") for i in range(CAPTURING)
     }
-    new = [
-        NewRequest(r, 8, 0, None if s is None else s.to_wire()) for r, s in payload.items()
-    ]
+    new = [NewRequest(r, 8, 0, None if s is None else s.to_wire()) for r, s in payload.items()]
     ids = list(payload)
     runtime.on_schedule(StepSchedule((), new, [], [], dict.fromkeys(ids, 8)))
     computed = [8] * len(ids)

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from vinterp.bench import pipeline, serve_load, trace_invokes
-from vinterp.engine.plain_vllm import greedy_params, shutdown_plain_vllm, start_plain_vllm
+from vinterp.bench import extract_pipeline, pipeline, serve_load, step_cost, trace_invokes
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -24,6 +23,7 @@ from vinterp.bench.harness import (
     target,
     timed_interleaved,
 )
+from vinterp.engine.plain_vllm import greedy_params, shutdown_plain_vllm, start_plain_vllm
 
 PROMPT_TEMPLATE = "Write a short story about a robot number {i} who learns to paint."
 EAGER = "eager"
@@ -57,7 +57,7 @@ EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_HF)
 WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL, *EXTRACTION)
 # Rows run only when `--workloads` names them (the serve load test takes 15 minutes or more),
 # and every row `--workloads` selects from
-ON_REQUEST = (serve_load.KEY,)
+ON_REQUEST = (serve_load.KEY, extract_pipeline.KEY, step_cost.KEY)  # engine-free: the last two
 SELECTABLE = (*WORKLOADS, *ON_REQUEST)
 # Share of a GPU's memory for the engines the bench keeps alive at once (split equally)
 SHARED_GPU_MEMORY = 0.8

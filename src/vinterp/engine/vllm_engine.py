@@ -39,9 +39,9 @@ from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError, fit_rounds
 from vinterp.runtime.executor import Failure, TraceResult
-from vinterp.wire.saved_values import decode_saved
 from vinterp.sites.modules import site_order
 from vinterp.wire.graph import to_wire
+from vinterp.wire.saved_values import decode_saved
 from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an

@@ -170,6 +170,8 @@ class TensorParallel:
         if which == "output":
             return self.full_output(module, value)
         return self.full_input(module, value)
+
+
 class VLLMParams:
     """Reads HF-named parameters from a vLLM model: packed layers split, shards gathered."""
 

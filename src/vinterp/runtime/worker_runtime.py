@@ -71,7 +71,9 @@ class WorkerRuntime:
         head = modules.lm_head
         functions: dict[str, Callable[..., Any]] = {
             "final_norm": unhooked(modules.final_norm),
-            "lm_head": lambda x: self.tp.full_logits(head, torch.nn.functional.linear(x, head.weight)),
+            "lm_head": lambda x: self.tp.full_logits(
+                head, torch.nn.functional.linear(x, head.weight)
+            ),
             "param": VLLMParams(model, modules, self.tp).read,
         }
         # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
@@ -190,9 +192,7 @@ class WorkerRuntime:
                 self.traces.add_slot(req, row, start, end)
         self.pipeline.deliver(self.traces.slots)
 
-    def _watched_rows(
-        self, layout: StepLayout
-    ) -> list[tuple[str, TrackedRequest, int, int, int]]:
+    def _watched_rows(self, layout: StepLayout) -> list[tuple[str, TrackedRequest, int, int, int]]:
         """The step's capturing and traced requests, in batch order: (id, request, index in
         the batch, first row, end row)."""
         placed = []

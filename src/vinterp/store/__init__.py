@@ -3,7 +3,6 @@ writer thread, a manifest that makes a killed run resumable, and the site values
 bit for bit in their stored dtype."""
 
 from vinterp.store.directory import ActivationStore
-from vinterp.store.files import content_hash
 from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.manifest import Manifest, SpecMismatchError, StoreError
 from vinterp.store.values import (
@@ -27,7 +26,6 @@ __all__ = [
     "SpecMismatchError",
     "StoreError",
     "column_values",
-    "content_hash",
     "row_size",
     "site_shards",
     "site_tensor",

@@ -4,8 +4,6 @@ moment leaves the old file or the new one, never a torn one."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -13,8 +11,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 TMP_SUFFIX = ".tmp"
-# What a model directory's content hash reads: weights, configuration, tokenizer.
-MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".gguf")
 
 
 def tmp_path(path: Path) -> Path:
@@ -49,21 +45,3 @@ def sync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def content_hash(folder: Path) -> str:
-    """sha256 over the names and bytes of the model files directly in `folder`; read once per
-    process while their sizes and modification times stay the same (gigabytes of weights)."""
-    paths = [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES]
-    return hash_files(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths))
-
-
-@functools.lru_cache(maxsize=16)
-def hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
-    digest = hashlib.sha256()
-    for name, size, _ in stats:
-        digest.update(f"{Path(name).name}\0{size}\0".encode())
-        with open(name, "rb") as file:
-            while block := file.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()

@@ -1,8 +1,11 @@
-"""Shards built and written on threads while the caller computes the next ones. Several shards
-are written at once (each file on its own thread: building the columns, copying them into
-the file and waiting for the disk overlap), and listed in the manifest in order by one
-committer thread. At most `threads + queued` shards are in hand at once, so memory stays
-within a few shards whatever the dataset's size, and a caller that outpaces the disk waits."""
+"""Shards written by several disk writers while the caller computes the next ones.
+
+One bounded queue of (shard, its pending take) feeds `threads` writers. A shard enters the
+queue only when fewer than `threads + queued` are in hand (queued or being written), and its
+take — the request for its captured rows — is sent only then, so the rows reach host memory
+only when there is room for them. Each writer waits for its shard's rows, builds the columns
+and writes the file; whichever writer finishes a shard lists every shard that is now next in
+order in the manifest (the commit point). A caller that outpaces the disk waits in `put`."""
 
 from __future__ import annotations
 
@@ -11,83 +14,111 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
 from vinterp.store.directory import ActivationStore
 from vinterp.store.manifest import ShardEntry
 
-# Shards written at once. Each first waits for its captured rows (a take's round trip to the
-# workers and their copy from the device, a few tenths of a second on a GPU), so enough must
-# be in hand that the disk stays busy meanwhile; the shard size shrinks with the count, so
-# host memory stays the same.
+# Disk writers. Each first waits for its shard's rows (a take's round trip to the workers and
+# their copy from the device, a few tenths of a second on a GPU), so enough must be in hand
+# that the disk stays busy meanwhile; the shard size shrinks with the count, so memory stays
+# the same.
 WRITER_THREADS = 8
 
 
 @dataclass
 class PendingShard:
-    """Prompts [start, end) and how to build their columns; `build` runs on a writer thread,
-    so turning captured tensors into arrays overlaps the next shards' compute too. `drop`,
-    when given, runs instead of `build` once an earlier shard has failed: it lets the
-    shard's captured rows go without building or writing them."""
+    """Prompts [start, end): `take()` waits for the shard's captured rows (sent for when the
+    shard was put), `build(rows)` turns them into columns. Both run on a writer thread, so
+    they overlap the next shards' compute. After an earlier shard failed, `take()` still runs
+    (the workers let the rows go) and nothing is built or written."""
 
     start: int
     end: int
-    build: Callable[[], dict[str, np.ndarray]]
+    take: Callable[[], Any]
+    build: Callable[[Any], dict[str, np.ndarray]]
     counts: dict[str, int] = field(default_factory=dict)
-    drop: Callable[[], object] | None = None
 
 
-_DONE = None  # the queue's end marker
+@dataclass
+class WriterStats:
+    """What the writers did: shards, rows and bytes written, how long the caller waited in
+    `put` for room (the disk held up the engine's feed) and how long the writers waited for
+    rows in `take` (the engine, or the take's round trip, held up the disk)."""
+
+    shards: int = 0
+    rows: int = 0
+    bytes: int = 0
+    caller_waited_s: float = 0.0
+    rows_waited_s: float = 0.0
+
+
+_FAILED = object()  # a shard that was not written: nothing after it is listed
 
 
 class ShardWriter:
-    """Writes queued shards to `store` on `threads` threads and lists them in order; `close`
-    (or leaving the `with` block) waits for them. An error is raised in the caller at its next
-    `put` or at `close`; shards listed before it stay valid, the shards put after it are
-    dropped (`PendingShard.drop`), never written."""
+    """Writes put shards to `store` on `threads` writers and lists them in order through
+    `commit` (default: the store's manifest); `close` (or leaving the `with` block) waits for
+    them. An error is raised in the caller at its next `put` or at `close`; shards listed
+    before it stay valid, and the shards after it are taken (their rows let go) but neither
+    built nor written."""
 
     def __init__(
-        self, store: ActivationStore, threads: int = WRITER_THREADS, queued: int = 1
+        self,
+        store: ActivationStore,
+        threads: int = WRITER_THREADS,
+        queued: int = 1,
+        commit: Callable[[list[ShardEntry]], None] | None = None,
     ) -> None:
         self.store = store
-        self._next = len(store.manifest.shards)  # the number of the next shard put
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vinterp-shard-writer")
-        self._slots = threading.Semaphore(threads + queued)  # shards in hand at most
-        self._queue: queue.Queue[Future[ShardEntry] | None] = queue.Queue()  # in order
-        self._error: BaseException | None = None  # the first, in shard order
-        self._failed = threading.Event()  # a shard failed: those not yet begun are dropped
-        self.waited_s = 0.0  # how long `put` waited for a free slot: the writers held the caller
-        self._thread = threading.Thread(target=self._run, name="vinterp-shard-lister", daemon=True)
-        self._thread.start()
+        self.commit = commit or store.add
+        self.stats = WriterStats()
+        self._room = threading.Condition()  # guards everything below
+        self._in_hand, self._bound = 0, threads + queued
+        self._next = self._listed = len(store.manifest.shards)  # next put; next to list
+        self._finished: dict[int, ShardEntry | object] = {}  # written, not yet listed
+        self._error: BaseException | None = None
+        self._error_at = -1  # the failed shard's number (the first in order is raised)
+        self._queue: queue.SimpleQueue[tuple[int, PendingShard] | None] = queue.SimpleQueue()
+        self._writers = [
+            threading.Thread(target=self._write_loop, name=f"vinterp-shard-writer-{k}", daemon=True)
+            for k in range(threads)
+        ]
+        for writer in self._writers:
+            writer.start()
 
     def put(self, make: Callable[[], PendingShard]) -> None:
-        """Start writing the shard `make()` gives, once fewer than `threads + queued` shards
-        are in hand: `make` runs only then, so a shard's rows are asked for (and reach host
-        memory) only when there is room for them."""
+        """Queue the shard `make()` gives, once fewer than `threads + queued` are in hand:
+        `make` runs only then (it sends the take), so rows are asked for only when there is
+        room for them."""
         began = time.perf_counter()
-        while not self._slots.acquire(timeout=0.1):
+        with self._room:
+            self._room.wait_for(lambda: self._in_hand < self._bound or self._error is not None)
             self._raise()
-        self.waited_s += time.perf_counter() - began
+            self._in_hand += 1
+        self.stats.caller_waited_s += time.perf_counter() - began
         try:
-            self._raise()
             shard = make()
         except BaseException:
-            self._slots.release()
+            with self._room:
+                self._in_hand -= 1
+                self._room.notify_all()
             raise
-        self._queue.put(self._pool.submit(self._write, self._next, shard))
+        self._queue.put((self._next, shard))
         self._next += 1
 
     def close(self) -> None:
-        """Write and list what was put, stop the threads, raise the first error if any."""
-        if self._thread.is_alive():
-            self._queue.put(_DONE)
-            self._thread.join()
-        self._pool.shutdown(wait=True)
-        self._raise()
+        """Write and list what was put, stop the writers, raise the first error if any."""
+        for _ in self._writers:
+            self._queue.put(None)
+        for writer in self._writers:
+            writer.join()
+        with self._room:
+            self._raise()
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -105,54 +136,51 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
-    def _fail(self, exc: BaseException) -> None:
-        """Keep the first error (in shard order); the shards not yet begun are dropped."""
-        self._error = self._error or exc
-        self._failed.set()
-
-    def _write(self, index: int, shard: PendingShard) -> ShardEntry | None:
-        """Build and write one shard's file (on a pool thread), or only drop it after an
-        error. The captured data `build` holds is let go before the write, so it is not held
-        twice."""
-        start, end, counts = shard.start, shard.end, shard.counts
-        build, drop = shard.build, shard.drop
-        del shard
-        if self._failed.is_set():
-            del build
-            if drop is not None:
-                drop()
-            return None
-        try:
-            values = build()
-            del build
-            return self.store.write(index, start, end, values, counts)
-        except BaseException:
-            self._failed.set()
-            raise
-
-    def _run(self) -> None:
-        """List the shards in order, those already written together with one manifest save.
-        After an error nothing more is listed; what is put is still waited for (dropped)."""
-        while (written := self._queue.get()) is not _DONE:
-            batch = [written]
-            while self._queue.qsize():  # only this thread takes from the queue
-                head = self._queue.queue[0]
-                if head is _DONE or not head.done():
-                    break
-                batch.append(self._queue.get())
-            entries = []
-            for future in batch:
-                try:
-                    entry = future.result()
-                except BaseException as exc:
-                    self._fail(exc)
-                    continue
-                if self._error is None and entry is not None:
-                    entries.append(entry)
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            index, shard = item
             try:
-                if entries:
-                    self.store.add(entries)
+                entry = self._write(index, shard)
             except BaseException as exc:
-                self._fail(exc)
-            for _ in batch:
-                self._slots.release()
+                self._done(index, _FAILED, exc)
+            else:
+                self._done(index, entry, None)
+            del shard, item
+
+    def _write(self, index: int, shard: PendingShard) -> ShardEntry | object:
+        """Wait for one shard's rows, build its columns and write its file; after a failure
+        only take its rows (so the workers hold none) and return _FAILED."""
+        began = time.perf_counter()
+        rows = shard.take()
+        waited = time.perf_counter() - began
+        with self._room:
+            self.stats.rows_waited_s += waited
+            failed = self._error is not None
+        if failed:
+            return _FAILED
+        values = shard.build(rows)
+        del rows  # the captured data is not held while the file is written
+        return self.store.write(index, shard.start, shard.end, values, shard.counts)
+
+    def _done(self, index: int, entry: ShardEntry | object, error: BaseException | None) -> None:
+        """A shard is finished (written, failed or dropped): list every shard now next in
+        order, free its room, keep the first error in shard order."""
+        with self._room:
+            if error is not None and (self._error is None or index < self._error_at):
+                self._error, self._error_at = error, index
+            self._finished[index] = entry
+            ready = []
+            while self._finished.get(self._listed, _FAILED) is not _FAILED:
+                ready.append(self._finished.pop(self._listed))
+                self._listed += 1
+            if ready and (self._error is None or self._error_at >= self._listed):
+                try:
+                    self.commit(ready)  # type: ignore[arg-type]
+                except BaseException as exc:
+                    self._error, self._error_at = exc, self._listed - len(ready)
+                else:
+                    self.stats.shards += len(ready)
+                    self.stats.rows += sum(e.rows for e in ready)  # type: ignore[attr-defined]
+                    self.stats.bytes += sum(e.bytes for e in ready)  # type: ignore[attr-defined]
+            self._in_hand -= 1
+            self._room.notify_all()

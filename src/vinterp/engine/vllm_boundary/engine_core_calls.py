@@ -1,5 +1,7 @@
-"""A worker call whose answer is waited for later, on a deadline and on the engine's life. `LLM.collective_rpc` blocks its caller until
-the engine core has finished its current step and run the call: a loop that feeds the
+"""A worker call whose answer is waited for later, on a deadline and on the engine's life.
+
+`LLM.collective_rpc` blocks its caller until the engine core has finished its current step
+and run the call: a loop that feeds the
 engine requests and takes captured rows once per shard then spends its time waiting while
 the queued requests run out (measured on an H200: 91% of the loop's time). Here the call
 is sent as `collective_rpc` sends it, and the answer is a future the client's output thread

@@ -135,8 +135,11 @@ TARGETS: tuple[Target, ...] = (
         "read: a running request's progress",
         fields=("req_ids", "num_computed_tokens"),
     ),
-    Target("vllm.sequence:IntermediateTensors", "written: trace values between pipeline stages",
-           fields=("tensors",)),
+    Target(
+        "vllm.sequence:IntermediateTensors",
+        "written: trace values between pipeline stages",
+        fields=("tensors",),
+    ),
     # eager_kernels.py: an uncompiled step runs on an enforce_eager engine's kernels
     Target(
         "vllm.model_executor.custom_op:CustomOp.dispatch_forward",
@@ -178,8 +181,14 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding._get_indices",
         "called: a vocab shard's real rows (its padding dropped)",
-        ("vocab_size_padded", "org_vocab_size_padded", "vocab_size", "org_vocab_size",
-         "tp_rank", "tp_size"),
+        (
+            "vocab_size_padded",
+            "org_vocab_size_padded",
+            "vocab_size",
+            "org_vocab_size",
+            "tp_rank",
+            "tp_size",
+        ),
     ),
     Target("vllm.model_executor.layers.linear:ColumnParallelLinear", "isinstance: a sharded layer"),
     Target("vllm.model_executor.layers.linear:RowParallelLinear", "isinstance: a sharded layer"),
@@ -188,13 +197,17 @@ TARGETS: tuple[Target, ...] = (
         "vllm.model_executor.layers.attention:Attention",
         "isinstance and read (impl.scale, impl.logits_soft_cap, sliding_window): pattern math",
     ),
-    Target("vllm.distributed.utils:get_pp_indices", "called: the layers of a pipeline stage",
-           ("num_hidden_layers", "pp_rank", "pp_size")),
+    Target(
+        "vllm.distributed.utils:get_pp_indices",
+        "called: the layers of a pipeline stage",
+        ("num_hidden_layers", "pp_rank", "pp_size"),
+    ),
     Target("vllm.distributed:get_pp_group", "called: this worker's pipeline stage"),
     Target("vllm.distributed:get_tensor_model_parallel_world_size", "called"),
     Target("vllm.distributed:get_tensor_model_parallel_rank", "called"),
-    Target("vllm.distributed:tensor_model_parallel_all_gather", "called: TP gathers",
-           ("input_", "dim")),
+    Target(
+        "vllm.distributed:tensor_model_parallel_all_gather", "called: TP gathers", ("input_", "dim")
+    ),
     # models.py: private names of vLLM's model registry and utilities
     Target(
         "vllm.model_executor.models.registry:_TRANSFORMERS_SUPPORTED_MODELS",
@@ -272,7 +285,7 @@ def target_problem(target: Target) -> str | None:
 
 
 def release_of(version: str) -> str:
-    """"0.32" of "0.32.0", "0.32.1rc1+cpu"..."""
+    """ "0.32" of "0.32.0", "0.32.1rc1+cpu"..."""
     numbers = re.findall(r"\d+", version)[:2]
     return ".".join(numbers) if len(numbers) == 2 else version
 

