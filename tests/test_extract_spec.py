@@ -1,6 +1,6 @@
-"""What makes an extraction dataset resumable: its spec names the checkpoint by its config and
-its weight files' names and sizes (no weight byte is read), not the software that wrote it.
-No engine: the spec is computed for a model folder the test writes."""
+"""Extraction without an engine: a dataset's spec names its checkpoint by the config and each
+weight file's size and sampled bytes (no weight file read whole), not the software that wrote
+it; data-parallel sizes are checked before anything starts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from vinterp.api import extract
+from vinterp.api.extract_replicas import check_replicas
 from vinterp.api.prompt_source import prompt_source
 from vinterp.engine.engine_limits import EngineLimits
 from vinterp.store import ActivationStore, SpecMismatchError
@@ -35,11 +36,10 @@ def checkpoint(root: Path, layers: int = 2, weight_bytes: int = 1000) -> Path:
 
 
 def spec_of(model: Path) -> dict:
-    backend, config = SimpleNamespace(name="vllm"), SimpleNamespace(hidden_size=64)
-    llm = SimpleNamespace(model_path=model, backend=backend, config=config)
-    source = prompt_source(["a prompt", "another"], "text")
     limits = EngineLimits("float32", 128, 256)
-    return extract.extraction_spec(llm, limits, source, SITES, "all_prompt", 0, "float32")
+    facts = extract.EngineFacts(str(model), "vllm", SimpleNamespace(hidden_size=64), limits)
+    source = prompt_source(["a prompt", "another"], "text")
+    return extract.extraction_spec(facts, source, SITES, "all_prompt", 0, "float32")
 
 
 def open_dataset(out: Path, spec: dict) -> ActivationStore:
@@ -127,3 +127,13 @@ def test_a_different_checkpoint_is_refused(tmp_path: Path, change: str) -> None:
         (model / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 500)
     with pytest.raises(SpecMismatchError, match="checkpoint"):
         open_dataset(out, spec_of(model))
+
+
+def test_sizes_and_gpus_are_checked_before_anything_starts() -> None:
+    check_replicas(4, 2, 8, on_gpus=True)
+    needs = "data_parallel_size=4 x tensor_parallel_size=2 needs 8 GPUs; Ray sees 4"
+    with pytest.raises(ValueError, match=needs):
+        check_replicas(4, 2, 4, on_gpus=True)
+    check_replicas(4, 2, 0, on_gpus=False)  # CPU engines
+    with pytest.raises(ValueError, match="data_parallel_size: expected an int >= 1, got 0"):
+        check_replicas(0, 1, 8, on_gpus=True)

@@ -238,7 +238,7 @@ def test_head_sites_are_captured_not_steered_nor_extracted() -> None:
         assert not _steerable(f"layers.1.{part}") and _capturable(f"layers.*.{part}")
     llm = SimpleNamespace(config=AutoConfig.for_model("llama", num_hidden_layers=2))
     with pytest.raises(ValueError, match="attn.k is an attention head site, which extract"):
-        expand_sites(llm, ["layers.1.output", "layers.*.attn.k"])
+        expand_sites(llm.config, ["layers.1.output", "layers.*.attn.k"])
 
 
 @pytest.mark.parametrize(

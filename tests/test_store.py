@@ -561,9 +561,9 @@ def test_positions_selected_per_prompt() -> None:
 def test_router_sites_are_refused_with_what_to_use_instead() -> None:
     config = AutoConfig.for_model("mixtral", num_hidden_layers=2)
     llm = SimpleNamespace(config=config)
-    assert expand_sites(llm, ["layers.*.output"]) == ["layers.0.output", "layers.1.output"]
+    assert expand_sites(llm.config, ["layers.*.output"]) == ["layers.0.output", "layers.1.output"]
     with pytest.raises(ValueError, match="router site, which extract does not store; capture"):
-        expand_sites(llm, ["layers.1.output", "layers.*.mlp.router.output"])
+        expand_sites(llm.config, ["layers.1.output", "layers.*.mlp.router.output"])
 
 
 def test_shards_are_cut_from_the_prompt_lengths_alone() -> None:

@@ -4,6 +4,7 @@ from vinterp import models
 from vinterp.api import LLM
 from vinterp.api.async_llm import AsyncLLM
 from vinterp.api.client import AsyncClient, Client
+from vinterp.api.extract_replicas import extract
 from vinterp.api.requests import Request
 from vinterp.engine.outputs import Output
 from vinterp.errors import (
@@ -31,5 +32,6 @@ __all__ = [
     "TraceError",
     "VinterpError",
     "captures_from_json",
+    "extract",
     "models",
 ]

@@ -216,35 +216,38 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _extract(args: argparse.Namespace) -> None:
-    """Bad input (prompts, positions, sites, a folder of another spec, a full disk) ends the
-    command with one line naming it; the prompts and positions are checked before the engine
-    starts."""
+    """Bad input (prompts, positions, sites, a folder of another spec, a full disk, more GPUs
+    than Ray sees) ends the command with one line naming it; the prompts and positions are
+    checked before any engine starts."""
     if not args.verbose:
         _quiet_logs()
     import vinterp
-    from vinterp.api.extract import engine_settings
     from vinterp.api.extract_plan import check_positions
     from vinterp.api.prompt_source import prompt_source
     from vinterp.errors import VinterpError
 
-    engine = engine_settings(args.sites, args.positions)
-    for name, keyword in EXTRACT_ENGINE_ARGS.items():
-        if getattr(args, name) is not None:
-            engine[keyword] = getattr(args, name)
+    engine = {
+        keyword: getattr(args, name)
+        for name, keyword in EXTRACT_ENGINE_ARGS.items()
+        if getattr(args, name) is not None
+    }
     try:
         check_positions(args.positions, args.skip_first)
         prompts = prompt_source(args.prompts, args.column)
-        with vinterp.LLM(args.model, **engine) as llm:
-            llm.extract(
-                prompts,
-                args.sites,
-                args.positions,
-                out=args.out,
-                dtype=args.dtype,
-                skip_first=args.skip_first,
-                column=args.column,
-                buffer_gb=args.buffer_gb,
-            )
+        vinterp.extract(
+            args.model or vinterp.models.bundled(),
+            prompts,
+            args.sites,
+            args.out,
+            args.positions,
+            data_parallel_size=args.data_parallel,
+            ray_address=args.ray_address,
+            dtype=args.dtype,
+            skip_first=args.skip_first,
+            column=args.column,
+            buffer_gb=args.buffer_gb,
+            **engine,
+        )
     except (VinterpError, ValueError, TypeError, FileNotFoundError) as exc:
         raise SystemExit(f"vinterp extract: {exc}") from None
 
@@ -484,7 +487,10 @@ def main(argv: list[str] | None = None) -> None:
         "--skip-first", type=int, default=0, help="drop the first K positions (e.g. BOS)"
     )
     extract.add_argument(
-        "--buffer-gb", type=float, default=BUFFER_GB, help="host memory for shards in flight"
+        "--buffer-gb",
+        type=float,
+        default=BUFFER_GB,
+        help="memory for captured rows in flight, host and device",
     )
     extract.add_argument(
         "--max-model-len", type=int, default=None, help="the engine's context (vLLM's option)"
@@ -494,6 +500,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     extract.add_argument(
         "--engine-dtype", default=None, help="the engine's dtype (default: the checkpoint's)"
+    )
+    extract.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas, each of --tensor-parallel-size GPUs, as Ray actors (default 1)",
+    )
+    extract.add_argument(
+        "--ray-address", default=None, help="a Ray cluster to run the replicas on (ray.init)"
     )
     extract.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     extract.set_defaults(run=_extract)

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -50,6 +50,7 @@ from vinterp.store import (
     ActivationStore,
     Columns,
     PendingShard,
+    ShardEntry,
     ShardWriter,
     column_values,
     row_size,
@@ -75,7 +76,85 @@ STEPS_PER_SHARD = 4
 TOKENIZE_CHUNK = 1024
 
 
-def extract(
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an extraction needs to know of its engine, also of engines in other processes
+    (data-parallel replicas): the model, the backend's name, the model's config and the
+    engine's limits."""
+
+    model_path: str
+    backend: str
+    config: Any
+    limits: EngineLimits
+
+    @classmethod
+    def of(cls, llm: Any) -> EngineFacts:
+        return cls(
+            str(llm.model_path),
+            llm.backend.name,
+            llm.config,
+            engine_limits(llm.backend, llm.config),
+        )
+
+
+@dataclass
+class ExtractionJob:
+    """An opened (or resumed) dataset and what its shards are run with."""
+
+    store: ActivationStore
+    source: PromptSource
+    capture: Capture
+    queued_tokens: int
+
+    def shards(self, tokenizer: Any) -> Iterator[tuple[int, Shard]]:
+        """(number, shard) from the first prompt not yet stored to the last: a pure function
+        of the token ids and the manifest's shard sizes, so a resumed run cuts the same."""
+        manifest = self.store.manifest
+        spec = manifest.spec
+        planned = plan_shards(
+            tokenize(tokenizer, self.source, manifest.next_prompt),
+            spec["positions"],
+            spec["skip_first"],
+            spec["max_prompt_len"],
+            row_size(self.store.columns),
+            manifest.shard_bytes,
+            manifest.shard_tokens,
+        )
+        return enumerate(planned, len(manifest.shards))
+
+
+def open_job(
+    facts: EngineFacts,
+    prompts: Any,
+    sites: str | list[str],
+    positions: PositionSpec,
+    out: str | Path,
+    dtype: str | None,
+    skip_first: int,
+    column: str,
+    buffer_gb: float,
+) -> ExtractionJob:
+    """Check everything and open (or resume) the dataset in `out`."""
+    positions = check_positions(positions, skip_first)
+    sites = expand_sites(facts.config, sites)
+    limits = facts.limits
+    dtype = dtype or limits.dtype
+    if dtype not in STORED_DTYPES:
+        raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
+    if not buffer_gb > 0:
+        raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
+    source = prompt_source(prompts, column)
+    spec = extraction_spec(facts, source, sites, positions, skip_first, dtype)
+    columns = store_columns(sites, dtype, spec["hidden_size"])
+    about = dataset_about(source, columns)
+    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
+    size = shard_bytes(columns, buffer_gb)
+    store = ActivationStore.open(out, spec, columns, size, about, shard_tokens)
+    queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
+    return ExtractionJob(store, source, Capture(sites, positions=positions), queued)
+
+
+def extract_on(
     llm: Any,
     prompts: Any,
     sites: str | list[str],
@@ -86,31 +165,58 @@ def extract(
     column: str,
     buffer_gb: float,
     use_tqdm: bool,
-) -> Any:
-    """Check everything, open (or resume) the dataset in `out`, run the shards, return the
-    dataset (`datasets.load_from_disk(out)`) and what this call did."""
+) -> Extraction:
+    """Open (or resume) the dataset in `out`, run its shards on `llm`, return the dataset
+    (`datasets.load_from_disk(out)`) and what this call did."""
+    job = open_job(
+        EngineFacts.of(llm), prompts, sites, positions, out, dtype, skip_first, column, buffer_gb
+    )
+    stats = ExtractionStats()
+    if not job.store.manifest.complete:
+        with progress_bar(job, use_tqdm) as on_shard:
+            stats = run_shards(
+                llm.backend,
+                job.shards(llm.tokenizer),
+                job.store,
+                job.capture,
+                job.queued_tokens,
+                on_shard,
+            )
+        finish(job.store, stats, use_tqdm)
+    return Extraction(load_dataset(out), stats)
+
+
+def load_dataset(out: str | Path) -> Any:
     import datasets
 
-    positions = check_positions(positions, skip_first)
-    sites = expand_sites(llm, sites)
-    limits = engine_limits(llm.backend, llm.config)
-    dtype = dtype or limits.dtype
-    if dtype not in STORED_DTYPES:
-        raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
-    if not buffer_gb > 0:
-        raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
-    source = prompt_source(prompts, column)
-    spec = extraction_spec(llm, limits, source, sites, positions, skip_first, dtype)
-    columns = store_columns(sites, dtype, spec["hidden_size"])
-    about = dataset_about(source, columns)
-    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
-    size = shard_bytes(columns, buffer_gb)
-    store = ActivationStore.open(out, spec, columns, size, about, shard_tokens)
-    stats = ExtractionStats()
-    if not store.manifest.complete:
-        queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
-        stats = run(llm, source, store, Capture(sites, positions=positions), queued, use_tqdm)
-    return Extraction(datasets.load_from_disk(str(out)), stats)
+    return datasets.load_from_disk(str(out))
+
+
+@contextlib.contextmanager
+def progress_bar(job: ExtractionJob, use_tqdm: bool) -> Iterator[Callable[[Shard, int], None]]:
+    """A call for each shard handed to the writers (with the tokens run so far) that moves a
+    bar of prompts, tokens/s and GB written."""
+    began = time.perf_counter()
+    start = job.store.manifest.next_prompt
+    with tqdm(
+        total=job.source.count, initial=start, desc="extract", unit="prompt", disable=not use_tqdm
+    ) as bar:
+
+        def on_shard(shard: Shard, tokens: int) -> None:
+            rate = tokens / max(time.perf_counter() - began, 1e-9)
+            written = job.store.bytes_written / 1e9
+            bar.set_postfix_str(f"{rate:,.0f} tok/s, {written:.2f} GB written")
+            bar.update(shard.end - shard.start)
+
+        yield on_shard
+
+
+def finish(store: ActivationStore, stats: ExtractionStats, use_tqdm: bool) -> None:
+    """Mark the dataset complete; log the statistics, and print the closing line."""
+    store.finish()
+    log.info("extract: %s", stats)
+    if use_tqdm:
+        print(summary(store, stats))
 
 
 def dataset_about(source: PromptSource, columns: Columns) -> dict[str, Any]:
@@ -161,8 +267,7 @@ def engine_settings(
 
 
 def extraction_spec(
-    llm: Any,
-    limits: EngineLimits,
+    facts: EngineFacts,
     source: PromptSource,
     sites: list[str],
     positions: PositionSpec,
@@ -171,17 +276,17 @@ def extraction_spec(
 ) -> dict[str, Any]:
     """What decides the rows: a directory holding another spec is refused."""
     return {
-        "model": model_id(llm.model_path),
-        "checkpoint": checkpoint_identity(llm.model_path),
-        "backend": llm.backend.name,
-        "engine_dtype": limits.dtype,
-        "max_prompt_len": limits.max_prompt_len,
+        "model": model_id(facts.model_path),
+        "checkpoint": checkpoint_identity(facts.model_path),
+        "backend": facts.backend,
+        "engine_dtype": facts.limits.dtype,
+        "max_prompt_len": facts.limits.max_prompt_len,
         "sites": sites,
         "positions": positions,
         "skip_first": skip_first,
         "dtype": dtype,
         "column_dtype": COLUMN_DTYPE[dtype],  # how the values are stored (bfloat16: its bits)
-        "hidden_size": int(llm.config.hidden_size),
+        "hidden_size": int(facts.config.hidden_size),
         "prompts": {"count": source.count, "sha256": source.sha256},
     }
 
@@ -231,63 +336,44 @@ class ShardRun:
     waiting: int
 
 
-def run(
-    llm: Any,
-    source: PromptSource,
+def run_shards(
+    backend: StreamingBackend,
+    shards: Iterable[tuple[int, Shard]],
     store: ActivationStore,
     capture: Capture,
     queued_tokens: int,
-    use_tqdm: bool,
+    on_shard: Callable[[Shard, int], None] = lambda shard, tokens: None,
+    commit: Callable[[list[ShardEntry]], None] | None = None,
 ) -> ExtractionStats:
-    """Shards from the first prompt not yet stored to the last; then the manifest is marked
-    complete and a summary line printed. Every prompt goes through one stream of requests
-    (`backend.stream`): a shard's captures are taken as soon as its last prompt is done and
-    turned into columns on the writer thread while the engine goes on."""
-    manifest = store.manifest
-    spec = manifest.spec
-    start = manifest.next_prompt
-    shards = plan_shards(
-        tokenize(llm, source, start),
-        spec["positions"],
-        spec["skip_first"],
-        spec["max_prompt_len"],
-        row_size(store.columns),
-        manifest.shard_bytes,
-        manifest.shard_tokens,
-    )
-    backend: StreamingBackend = llm.backend  # a vLLM or transformers engine in this process
-    started: deque[ShardRun] = deque()  # in input order
+    """Run `shards` (each with its number) on `backend`, an engine in this process. Every
+    prompt goes through one stream of requests (`backend.stream`): a shard's captures are
+    asked for as soon as its last prompt is done and turned into columns and a file on the
+    writers while the engine goes on; `commit` lists the written shards in order (default:
+    the store's manifest)."""
+    started: deque[tuple[int, ShardRun]] = deque()  # in input order
     owner: dict[int, tuple[ShardRun, int]] = {}  # stream index -> (shard, prompt in shard)
     counter = itertools.count()
 
     def requests() -> Iterator[StreamRequest]:
-        for shard in shards:
+        for number, shard in shards:
             ids = [uuid.uuid4().hex for _ in shard.prompts]
             entry = ShardRun(shard, ids, [None] * len(ids), len(ids))
-            started.append(entry)
+            started.append((number, entry))
             for k, (prompt, capture_id) in enumerate(zip(shard.prompts, ids)):
                 owner[next(counter)] = (entry, k)
                 yield prompt.ids, PREFILL_ONLY, RequestSpecs(capture=capture, capture_id=capture_id)
 
     began, tokens = time.perf_counter(), 0
-    with (
-        tqdm(
-            total=source.count, initial=start, desc="extract", unit="prompt", disable=not use_tqdm
-        ) as bar,
-        ShardWriter(store, queued=QUEUED_SHARDS) as writer,
-    ):
+    with ShardWriter(store, queued=QUEUED_SHARDS, commit=commit) as writer:
 
         def write_finished() -> None:
             nonlocal tokens
-            while started and started[0].waiting == 0:
-                entry = started[0]
-                writer.put(partial(pending_shard, backend, entry, capture, store))
+            while started and started[0][1].waiting == 0:
+                number, entry = started[0]
+                writer.put(partial(pending_shard, backend, entry, capture, store), number)
                 started.popleft()
                 tokens += entry.shard.counts[TOKENS]
-                rate = tokens / (time.perf_counter() - began)
-                written = store.bytes_written / 1e9
-                bar.set_postfix_str(f"{rate:,.0f} tok/s, {written:.2f} GB written")
-                bar.update(entry.shard.end - entry.shard.start)
+                on_shard(entry.shard, tokens)
 
         try:
             with contextlib.closing(backend.stream(requests(), queued_tokens)) as finished:
@@ -298,11 +384,10 @@ def run(
                     write_finished()
             write_finished()  # shards without prompts at the end
         except BaseException:
-            drop_captures(backend, started)
+            drop_captures(backend, [entry for _, entry in started])
             raise
-    store.finish()
     written = writer.stats
-    stats = ExtractionStats(
+    return ExtractionStats(
         written.rows,
         written.shards,
         written.bytes,
@@ -311,10 +396,6 @@ def run(
         written.caller_waited_s,
         written.rows_waited_s,
     )
-    log.info("extract: %s", stats)
-    if use_tqdm:
-        print(summary(store, stats))
-    return stats
 
 
 def pending_shard(
@@ -338,11 +419,11 @@ def drop_captures(backend: StreamingBackend, started: deque[ShardRun]) -> None:
             backend.take_captures(ids)
 
 
-def tokenize(llm: Any, source: PromptSource, start: int) -> Iterator[tuple[int, list[int]]]:
+def tokenize(tokenizer: Any, source: PromptSource, start: int) -> Iterator[tuple[int, list[int]]]:
     """(index, token ids) from prompt `start` on, tokenized in chunks."""
     prompts = source.from_index(start)
     while chunk := list(islice(prompts, TOKENIZE_CHUNK)):
-        ids = llm.tokenizer([text for _, text in chunk]).input_ids
+        ids = tokenizer([text for _, text in chunk]).input_ids
         yield from zip((index for index, _ in chunk), ids)
 
 
@@ -410,11 +491,12 @@ def summary(store: ActivationStore, stats: ExtractionStats) -> str:
     )
 
 
-def expand_sites(llm: Any, sites: str | list[str]) -> list[str]:
-    """Site names and patterns, expanded for this model, in forward order without repeats."""
+def expand_sites(config: Any, sites: str | list[str]) -> list[str]:
+    """Site names and patterns, expanded for a model of `config`, in forward order without
+    repeats."""
     names = [sites] if isinstance(sites, str) else list(sites)
     Capture(names)  # ValueError for a name no capture takes
-    order = site_order(llm.config)
+    order = site_order(config)
     try:
         expanded = {site: None for pattern in names for site in order.expand(pattern)}
     except UnknownSiteError as exc:

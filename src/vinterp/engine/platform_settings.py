@@ -28,3 +28,10 @@ def configure_engine_environment(world_size: int) -> None:
         configure_cpu_environment(world_size)
     else:
         os.environ.setdefault(MULTIPROC_METHOD, "spawn")
+
+
+def gpu_platform() -> bool:
+    """Whether vLLM runs on an accelerator here (not its CPU backend)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()

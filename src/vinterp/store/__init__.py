@@ -4,7 +4,7 @@ bit for bit in their stored dtype."""
 
 from vinterp.store.directory import ActivationStore
 from vinterp.store.hf_format import Columns, row_size
-from vinterp.store.manifest import Manifest, SpecMismatchError, StoreError
+from vinterp.store.manifest import Manifest, ShardEntry, SpecMismatchError, StoreError
 from vinterp.store.values import (
     COLUMN_DTYPE,
     STORED_DTYPES,
@@ -22,6 +22,7 @@ __all__ = [
     "Columns",
     "Manifest",
     "PendingShard",
+    "ShardEntry",
     "ShardWriter",
     "SpecMismatchError",
     "StoreError",

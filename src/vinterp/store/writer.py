@@ -79,11 +79,12 @@ class ShardWriter:
         self.stats = WriterStats()
         self._room = threading.Condition()  # guards everything below
         self._in_hand, self._bound = 0, threads + queued
-        self._next = self._listed = len(store.manifest.shards)  # next put; next to list
+        self._next = self._listed = 0  # the next put and the next to list, in put order
+        self._number = len(store.manifest.shards)  # the next shard's number (its file name)
         self._finished: dict[int, ShardEntry | object] = {}  # written, not yet listed
         self._error: BaseException | None = None
         self._error_at = -1  # the failed shard's number (the first in order is raised)
-        self._queue: queue.SimpleQueue[tuple[int, PendingShard] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, PendingShard] | None] = queue.SimpleQueue()
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"vinterp-shard-writer-{k}", daemon=True)
             for k in range(threads)
@@ -91,10 +92,11 @@ class ShardWriter:
         for writer in self._writers:
             writer.start()
 
-    def put(self, make: Callable[[], PendingShard]) -> None:
+    def put(self, make: Callable[[], PendingShard], number: int | None = None) -> None:
         """Queue the shard `make()` gives, once fewer than `threads + queued` are in hand:
         `make` runs only then (it sends the take), so rows are asked for only when there is
-        room for them."""
+        room for them. `number` names its file (default: the next after the last put); shards
+        are listed in the order they were put."""
         began = time.perf_counter()
         with self._room:
             self._room.wait_for(lambda: self._in_hand < self._bound or self._error is not None)
@@ -108,8 +110,9 @@ class ShardWriter:
                 self._in_hand -= 1
                 self._room.notify_all()
             raise
-        self._queue.put((self._next, shard))
-        self._next += 1
+        number = self._number if number is None else number
+        self._queue.put((self._next, number, shard))
+        self._next, self._number = self._next + 1, number + 1
 
     def close(self) -> None:
         """Write and list what was put, stop the writers, raise the first error if any."""
@@ -138,16 +141,16 @@ class ShardWriter:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            index, shard = item
+            index, number, shard = item
             try:
-                entry = self._write(index, shard)
+                entry = self._write(number, shard)
             except BaseException as exc:
                 self._done(index, _FAILED, exc)
             else:
                 self._done(index, entry, None)
             del shard, item
 
-    def _write(self, index: int, shard: PendingShard) -> ShardEntry | object:
+    def _write(self, number: int, shard: PendingShard) -> ShardEntry | object:
         """Wait for one shard's rows, build its columns and write its file; after a failure
         only take its rows (so the workers hold none) and return _FAILED."""
         began = time.perf_counter()
@@ -160,11 +163,11 @@ class ShardWriter:
             return _FAILED
         values = shard.build(rows)
         del rows  # the captured data is not held while the file is written
-        return self.store.write(index, shard.start, shard.end, values, shard.counts)
+        return self.store.write(number, shard.start, shard.end, values, shard.counts)
 
     def _done(self, index: int, entry: ShardEntry | object, error: BaseException | None) -> None:
-        """A shard is finished (written, failed or dropped): list every shard now next in
-        order, free its room, keep the first error in shard order."""
+        """Shard `index` (in put order) is finished (written, failed or dropped): list every
+        shard now next in order, free its room, keep the first error in put order."""
         with self._room:
             if error is not None and (self._error is None or index < self._error_at):
                 self._error, self._error_at = error, index

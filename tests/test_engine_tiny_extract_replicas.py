@@ -1,0 +1,113 @@
+"""Data-parallel extraction on the CPU engine: two replicas as Ray actors (Ray started on this
+machine) write the dataset one engine writes, shard for shard; a replica that dies ends the
+run with an error naming it, and the same call with one engine continues to exactly that
+dataset. The tiny model keeps two engines at once bearable on two cores."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import psutil
+import pytest
+import torch
+
+import vinterp
+from vinterp.api.extract_replicas import ReplicaError
+
+pytestmark = pytest.mark.engine("tiny", releases=True)  # the replicas start their own
+
+BASE = [
+    "The capital of France is Paris.",
+    "Once upon a time there was a small model",
+    "Numbers 0 1 2 3 4 5",
+    "def hello(world): return world + 1",
+    "Researchers read the residual stream",
+    "features for probes and sparse autoencoders",
+]
+PROMPTS = [f"{text} ({i})" for i in range(8) for text in BASE]
+SITES = ["layers.1.output", "layers.3.output"]
+KWARGS = {"skip_first": 1, "buffer_gb": 1.6e-4, "use_tqdm": False}  # shards of ~2 prompts
+
+
+def manifest(out: Path) -> dict[str, Any]:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def columns(out: Path) -> dict[str, torch.Tensor]:
+    return datasets.load_from_disk(str(out)).with_format("torch")[:]
+
+
+def assert_same_dataset(got: Path, want: Path) -> None:
+    assert manifest(got)["shards"] == manifest(want)["shards"]
+    a, b = columns(got), columns(want)
+    assert set(a) == set(b) == {"prompt", "position", "token", *SITES}
+    for name in b:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def one_engine(engines: Any, tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dataset of one engine in this process."""
+    engines.release()  # one engine at a time
+    out = tmp_path_factory.mktemp("one") / "acts"
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out, **KWARGS)
+    assert run.stats.rows == len(run.dataset) > 0 and len(manifest(out)["shards"]) >= 6
+    return out
+
+
+def test_two_replicas_write_the_dataset_one_engine_writes(
+    one_engine: Path, tiny_llama: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "two"
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out, data_parallel_size=2, **KWARGS)
+    assert_same_dataset(out, one_engine)
+    assert run.stats.rows == len(run.dataset) and run.stats.shards == len(manifest(out)["shards"])
+    assert manifest(out)["complete"]
+
+
+def replica_processes() -> list[psutil.Process]:
+    """The replicas' actor processes (Ray titles them after the actor's class)."""
+    return [
+        process
+        for process in psutil.process_iter(["cmdline"])
+        if any("ExtractReplica" in part for part in process.info["cmdline"] or ())
+    ]
+
+
+def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
+    one_engine: Path, tiny_llama: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "killed"
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            vinterp.extract(tiny_llama, PROMPTS, SITES, out, data_parallel_size=2, **KWARGS)
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and thread.is_alive():
+        if (out / "manifest.json").exists() and manifest(out)["shards"]:
+            break
+        time.sleep(0.2)
+    victims = replica_processes()
+    assert len(victims) == 2, "two replicas run"
+    victims[1].kill()
+    thread.join(600)
+    assert not thread.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ReplicaError), failure
+    message = str(failure[0])
+    assert "extraction replica" in message and "of 2 failed" in message, message
+    assert "stay valid" in message and "run again continues" in message
+    left = manifest(out)
+    assert not left["complete"] and 0 < len(left["shards"]) < len(manifest(one_engine)["shards"])
+    vinterp.extract(tiny_llama, PROMPTS, SITES, out, **KWARGS)  # one engine, here
+    assert_same_dataset(out, one_engine)
