@@ -86,7 +86,9 @@ def explained_variance(sae: StandardTrainingSAE, rows: torch.Tensor, mean: torch
 def run(llm: vinterp.LLM, out_dir: Path) -> dict[str, Any]:
     """Extract, train, plot the loss; return the numbers behind the picture."""
     out_dir = Path(out_dir)
-    extraction = llm.extract(prompts(), SITE, skip_first=1, out=out_dir / "sae_acts", use_tqdm=False)
+    extraction = llm.extract(
+        prompts(), SITE, skip_first=1, out=out_dir / "sae_acts", use_tqdm=False
+    )
     rows = torch.cat(site_shards(out_dir / "sae_acts", SITE))
     prompt = torch.as_tensor(extraction.dataset["prompt"])
     held = prompt >= len(prompts()) * (1 - HELD_OUT)  # the last prompts: text never trained on

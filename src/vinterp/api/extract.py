@@ -123,54 +123,46 @@ class ExtractionJob:
         return enumerate(planned, len(manifest.shards))
 
 
-def open_job(
-    facts: EngineFacts,
-    prompts: Any,
-    sites: str | list[str],
-    positions: PositionSpec,
-    out: str | Path,
-    dtype: str | None,
-    skip_first: int,
-    column: str,
-    buffer_gb: float,
-) -> ExtractionJob:
-    """Check everything and open (or resume) the dataset in `out`."""
-    positions = check_positions(positions, skip_first)
-    sites = expand_sites(facts.config, sites)
+@dataclass(frozen=True)
+class ExtractionRequest:
+    """What an extraction is asked for (API.md section 5, "Activation datasets")."""
+
+    prompts: Any
+    sites: str | list[str]
+    positions: PositionSpec
+    out: str | Path
+    dtype: str | None = None
+    skip_first: int = 0
+    column: str = "text"
+    buffer_gb: float = BUFFER_GB
+
+
+def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
+    """Check everything and open (or resume) the dataset in `request.out`."""
+    skip_first, buffer_gb = request.skip_first, request.buffer_gb
+    positions = check_positions(request.positions, skip_first)
+    sites = expand_sites(facts.config, request.sites)
     limits = facts.limits
-    dtype = dtype or limits.dtype
+    dtype = request.dtype or limits.dtype
     if dtype not in STORED_DTYPES:
         raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
     if not buffer_gb > 0:
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
-    source = prompt_source(prompts, column)
+    source = prompt_source(request.prompts, request.column)
     spec = extraction_spec(facts, source, sites, positions, skip_first, dtype)
     columns = store_columns(sites, dtype, spec["hidden_size"])
     about = dataset_about(source, columns)
     shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
     size = shard_bytes(columns, buffer_gb)
-    store = ActivationStore.open(out, spec, columns, size, about, shard_tokens)
+    store = ActivationStore.open(request.out, spec, columns, size, about, shard_tokens)
     queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
     return ExtractionJob(store, source, Capture(sites, positions=positions), queued)
 
 
-def extract_on(
-    llm: Any,
-    prompts: Any,
-    sites: str | list[str],
-    positions: PositionSpec,
-    out: str | Path,
-    dtype: str | None,
-    skip_first: int,
-    column: str,
-    buffer_gb: float,
-    use_tqdm: bool,
-) -> Extraction:
-    """Open (or resume) the dataset in `out`, run its shards on `llm`, return the dataset
-    (`datasets.load_from_disk(out)`) and what this call did."""
-    job = open_job(
-        EngineFacts.of(llm), prompts, sites, positions, out, dtype, skip_first, column, buffer_gb
-    )
+def extract_on(llm: Any, request: ExtractionRequest, use_tqdm: bool) -> Extraction:
+    """Open (or resume) the dataset in `request.out`, run its shards on `llm`, return the
+    dataset (`datasets.load_from_disk(out)`) and what this call did."""
+    job = open_job(EngineFacts.of(llm), request)
     stats = ExtractionStats()
     if not job.store.manifest.complete:
         with progress_bar(job, use_tqdm) as on_shard:
@@ -183,7 +175,7 @@ def extract_on(
                 on_shard,
             )
         finish(job.store, stats, use_tqdm)
-    return Extraction(load_dataset(out), stats)
+    return Extraction(load_dataset(request.out), stats)
 
 
 def load_dataset(out: str | Path) -> Any:

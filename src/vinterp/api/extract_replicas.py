@@ -25,8 +25,10 @@ from vinterp.api.extract import (
     EngineFacts,
     Extraction,
     ExtractionJob,
+    ExtractionRequest,
     ExtractionStats,
     engine_settings,
+    extract_on,
     finish,
     load_dataset,
     open_job,
@@ -152,24 +154,16 @@ def extract(
     runs in this process; otherwise the replicas are Ray actors, on the cluster at
     `ray_address` or on one started here."""
     check_replicas(data_parallel_size, tensor_parallel_size, 1, on_gpus=False)
+    names = [sites] if isinstance(sites, str) else list(sites)
+    request = ExtractionRequest(
+        prompts, names, positions, out, dtype, skip_first, column, buffer_gb
+    )
+    kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
     if data_parallel_size == 1 and ray_address is None:
         from vinterp.api.llm import LLM
 
-        names = [sites] if isinstance(sites, str) else list(sites)
-        settings = engine_settings(names, positions)
-        kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
-        with LLM(model, **settings, **kwargs) as llm:
-            return llm.extract(
-                prompts,
-                names,
-                positions,
-                out=out,
-                dtype=dtype,
-                skip_first=skip_first,
-                column=column,
-                buffer_gb=buffer_gb,
-                use_tqdm=use_tqdm,
-            )
+        with LLM(model, **engine_settings(names, positions), **kwargs) as llm:
+            return extract_on(llm, request, use_tqdm)
     import ray
 
     started_ray = not ray.is_initialized()
@@ -177,20 +171,7 @@ def extract(
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
         return _extract(
-            ray,
-            str(model),
-            prompts,
-            sites,
-            out,
-            positions,
-            data_parallel_size,
-            tensor_parallel_size,
-            dtype,
-            skip_first,
-            column,
-            buffer_gb,
-            use_tqdm,
-            engine_kwargs,
+            ray, str(model), request, data_parallel_size, tensor_parallel_size, use_tqdm, kwargs
         )
     finally:
         if started_ray:
@@ -200,48 +181,38 @@ def extract(
 def _extract(
     ray: Any,
     model: str,
-    prompts: Any,
-    sites: str | list[str],
-    out: str | Path,
-    positions: PositionSpec,
+    request: ExtractionRequest,
     replicas: int,
     tensor_parallel: int,
-    dtype: str | None,
-    skip_first: int,
-    column: str,
-    buffer_gb: float,
     use_tqdm: bool,
     engine_kwargs: dict[str, Any],
 ) -> Extraction:
     from ray.util.queue import Empty, Queue
     from transformers import AutoTokenizer
 
-    from vinterp.api.extract import expand_sites
     from vinterp.engine.platform_settings import gpu_platform
 
     gpus = float(ray.cluster_resources().get("GPU", 0))
     on_gpus = gpus > 0 or gpu_platform()
     check_replicas(replicas, tensor_parallel, gpus, on_gpus)
     actor = ray.remote(ExtractReplica).options(num_gpus=tensor_parallel if on_gpus else 0)
-    kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel}
-    names = [sites] if isinstance(sites, str) else list(sites)
+    sites, positions = request.sites, request.positions
     handles = [
         actor.remote(
-            model, names, positions, None if on_gpus else replica_cores(r, replicas), kwargs
+            model, sites, positions, None if on_gpus else replica_cores(r, replicas), engine_kwargs
         )
         for r in range(replicas)
     ]
     try:
         facts = ray.get(handles[0].facts.remote())
-        expand_sites(facts.config, names)  # ValueError before any shard is planned
-        job = open_job(facts, prompts, names, positions, out, dtype, skip_first, column, buffer_gb)
+        job = open_job(facts, request)
         stats = ExtractionStats()
         if not job.store.manifest.complete:
             tokenizer = AutoTokenizer.from_pretrained(facts.model_path)
             with progress_bar(job, use_tqdm) as on_shard:
                 stats = _run(ray, (Queue, Empty), handles, job, tokenizer, on_shard)
             finish(job.store, stats, use_tqdm)
-        return Extraction(load_dataset(out), stats)
+        return Extraction(load_dataset(request.out), stats)
     finally:
         for handle in handles:
             with contextlib.suppress(Exception):

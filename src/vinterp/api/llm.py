@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.extract import BUFFER_GB, Extraction, extract_on
+from vinterp.api.extract import BUFFER_GB, Extraction, ExtractionRequest, extract_on
 from vinterp.api.front_end import TraceFrontEnd
 from vinterp.api.requests import Request, generate
 from vinterp.api.steering_control import SteeringControl
@@ -163,9 +163,10 @@ class LLM(LocalModel):
         continues when called again with the same arguments (API.md section 5, "Activation
         datasets"). Returns the dataset (`.dataset`, `datasets.load_from_disk(out)`) and the
         call's statistics (`.stats`: rows, bytes, seconds, the waits)."""
-        return extract_on(
-            self, prompts, sites, positions, out, dtype, skip_first, column, buffer_gb, use_tqdm
+        request = ExtractionRequest(
+            prompts, sites, positions, out, dtype, skip_first, column, buffer_gb
         )
+        return extract_on(self, request, use_tqdm)
 
     def step_stats(self) -> dict[str, int]:
         """vLLM backend: forward steps run so far and how many ran uncompiled, outside CUDA
