@@ -29,7 +29,7 @@ BASE = [
     "Researchers read the residual stream",
     "features for probes and sparse autoencoders",
 ]
-PROMPTS = [f"{text} ({i})" for i in range(8) for text in BASE]
+PROMPTS = [f"{text} ({i})" for i in range(40) for text in BASE]
 SITES = ["layers.1.output", "layers.3.output"]
 KWARGS = {"skip_first": 1, "buffer_gb": 1.6e-4, "use_tqdm": False}  # shards of ~2 prompts
 
@@ -100,7 +100,8 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
         time.sleep(0.2)
     victims = replica_processes()
     assert len(victims) == 2, "two replicas run"
-    victims[1].kill()
+    for process in [*victims[1].children(recursive=True), victims[1]]:  # its engine, then it
+        process.kill()
     thread.join(600)
     assert not thread.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], ReplicaError), failure

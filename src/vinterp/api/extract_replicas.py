@@ -39,10 +39,12 @@ from vinterp.api.extract_plan import TOKENS, PositionSpec, Shard
 from vinterp.errors import VinterpError
 from vinterp.store import ActivationStore, Columns, Manifest, ShardEntry
 
-# Shards sent to a replica and not yet reported written: enough that its engine never waits
-# for the next prompts (a shard is at most 4 engine steps), few enough that a dead replica
-# leaves little to redo.
-SHARDS_AHEAD = 4
+# Prompt tokens sent to a replica and not yet reported written, in units of the tokens its
+# stream keeps queued in its engine: its stream asks for the next shard (and waits for it)
+# whenever fewer are queued, so the driver keeps more than that in its work queue. Few
+# enough that a dead replica leaves little to redo.
+AHEAD = 2
+MIN_SHARDS_AHEAD = 2
 POLL_S = 0.5  # how often the driver looks whether a replica has died
 
 
@@ -223,8 +225,9 @@ def _extract(
 def _run(
     ray: Any, queues: Any, handles: list[Any], job: ExtractionJob, tokenizer: Any, on_shard: Any
 ) -> ExtractionStats:
-    """Feed every replica its shards (at most SHARDS_AHEAD unreported each), list what they
-    write in order, end with the first replica that failed."""
+    """Feed every replica its shards (AHEAD times its queued tokens unreported, at least
+    MIN_SHARDS_AHEAD shards), list what they write in order, end with the first replica that
+    failed."""
     queue, empty = queues
     store = job.store
     results = queue()
@@ -236,26 +239,32 @@ def _run(
     ]
     planned = job.shards(tokenizer)
     sent: list[deque[Shard]] = [deque() for _ in handles]  # per replica, in its order
+    ahead = [0] * len(handles)  # per replica, the tokens of `sent`
+    wanted = AHEAD * job.queued_tokens
     written: dict[int, ShardEntry] = {}  # by first prompt, not yet listed
     shards: dict[int, Shard] = {}  # by first prompt, sent and not yet listed
     stats, began, more = ExtractionStats(), time.perf_counter(), True
     ended = [False] * len(handles)
     while True:
-        while more and (ready := [r for r in range(len(handles)) if len(sent[r]) < SHARDS_AHEAD]):
-            for r in ready:
-                item = next(planned, None)
-                if item is None:
-                    more = False
-                    for work in works:
-                        work.put(None)
-                    break
-                works[r].put(item)
-                sent[r].append(item[1])
-                shards[item[1].start] = item[1]
+        hungry = [r for r in range(len(handles)) if _wants(ahead[r], len(sent[r]), wanted)]
+        while more and hungry:
+            r = hungry.pop(0)
+            item = next(planned, None)
+            if item is None:
+                more = False
+                for work in works:
+                    work.put(None)
+                break
+            works[r].put(item)
+            sent[r].append(item[1])
+            ahead[r] += _tokens(item[1])
+            shards[item[1].start] = item[1]
+            if _wants(ahead[r], len(sent[r]), wanted):
+                hungry.append(r)
         with contextlib.suppress(empty):
             replica, entries = results.get(timeout=POLL_S)
             for entry in entries:
-                sent[replica].popleft()
+                ahead[replica] -= _tokens(sent[replica].popleft())
                 written[entry.start] = entry
         while store.manifest.next_prompt in written:
             entry = written.pop(store.manifest.next_prompt)
@@ -281,6 +290,15 @@ def _run(
         stats.writers_waited_s += replica_stats.writers_waited_s
     stats.seconds = time.perf_counter() - began
     return stats
+
+
+def _tokens(shard: Shard) -> int:
+    """A shard's prompt tokens (1 for one whose prompts the engine skips)."""
+    return max(shard.counts[TOKENS], 1)
+
+
+def _wants(ahead: int, shards: int, wanted: int) -> bool:
+    return ahead < wanted or shards < MIN_SHARDS_AHEAD
 
 
 def _raise_if_failed(
