@@ -198,7 +198,7 @@ def run(
                 "gb_per_s": written / GB / timing.median,
                 "store_alone_s": alone.median,
                 "engine_waited_s": stats.engine_waited_s,
-                "writers_waited_rows_s": stats.writers_waited_s,
+                "writers_waited_s": stats.writers_waited_s,
             }
             rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
             progress(x.key)
