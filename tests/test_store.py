@@ -298,6 +298,32 @@ def test_after_a_failed_shard_nothing_later_is_listed_and_a_reopen_removes_it(
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 3)["prompt"])
 
 
+def test_the_first_failure_in_order_is_raised_when_a_later_shard_fails_first(
+    tmp_path: Path,
+) -> None:
+    """Shards 1 and 2 both fail, 2 first (shard 1's rows came later): shard 1 is still built
+    and written (it was put before the failed one), and its failure is the one raised."""
+    store = open_store(tmp_path)
+    second_failed = threading.Event()
+
+    def full_disk(start: int) -> dict[str, np.ndarray]:
+        if start == 2:
+            threading.Timer(0.2, second_failed.set).start()
+        raise OSError(errno.ENOSPC, f"No space left on device (shard {start})")
+
+    def late_rows() -> int:  # the take's round trip outlasts shard 2's failure
+        assert second_failed.wait(10)
+        return 1
+
+    with pytest.raises(OSError, match=r"\(shard 1\)"):  # noqa: PT012
+        with ShardWriter(store, threads=3) as writer:
+            writer.put(partial(pending, 0, 1, lambda: rows(0, 1)))
+            writer.put(lambda: PendingShard(1, 2, late_rows, lambda _rows: full_disk(1)))
+            writer.put(partial(pending, 2, 3, partial(full_disk, 2)))
+            writer.close()
+    assert [s.end for s in store.manifest.shards] == [1]
+
+
 def test_shards_put_after_a_failed_one_are_taken_not_built(tmp_path: Path) -> None:
     """Their captured rows are taken and let go, so a failed run leaves nothing behind."""
     store = open_store(tmp_path)

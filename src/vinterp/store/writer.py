@@ -143,22 +143,24 @@ class ShardWriter:
         while (item := self._queue.get()) is not None:
             index, number, shard = item
             try:
-                entry = self._write(number, shard)
+                entry = self._write(index, number, shard)
             except BaseException as exc:
                 self._done(index, _FAILED, exc)
             else:
                 self._done(index, entry, None)
             del shard, item
 
-    def _write(self, number: int, shard: PendingShard) -> ShardEntry | object:
-        """Wait for one shard's rows, build its columns and write its file; after a failure
-        only take its rows (so the workers hold none) and return _FAILED."""
+    def _write(self, index: int, number: int, shard: PendingShard) -> ShardEntry | object:
+        """Wait for one shard's rows, build its columns and write its file; after a failure of
+        a shard put before it, only take its rows (so the workers hold none) and return
+        _FAILED. Shards put before a failed one are still written: they stay listable, and
+        the first failure in put order is the one raised."""
         began = time.perf_counter()
         rows = shard.take()
         waited = time.perf_counter() - began
         with self._room:
             self.stats.rows_waited_s += waited
-            failed = self._error is not None
+            failed = self._error is not None and self._error_at < index
         if failed:
             return _FAILED
         values = shard.build(rows)
