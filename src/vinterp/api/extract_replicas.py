@@ -36,6 +36,7 @@ from vinterp.api.extract import (
     run_shards,
 )
 from vinterp.api.extract_plan import TOKENS, PositionSpec, Shard
+from vinterp.engine.cpu_settings import core_groups
 from vinterp.errors import VinterpError
 from vinterp.store import ActivationStore, Columns, Manifest, ShardEntry
 
@@ -67,17 +68,6 @@ def check_replicas(data_parallel: int, tensor_parallel: int, gpus: float, on_gpu
             f"data_parallel_size={data_parallel} x tensor_parallel_size={tensor_parallel} "
             f"needs {needed} GPUs; Ray sees {gpus:g}"
         )
-
-
-def replica_cores(replica: int, replicas: int) -> list[int]:
-    """The cores of one replica of a CPU engine: the machine's split evenly, so the replicas'
-    workers do not bind to the same cores."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if replicas >= len(cpus):
-        return [cpus[replica % len(cpus)]]
-    base, extra = divmod(len(cpus), replicas)
-    start = replica * base + min(replica, extra)
-    return cpus[start : start + base + (1 if replica < extra else 0)]
 
 
 class ExtractReplica:
@@ -199,10 +189,9 @@ def _extract(
     check_replicas(replicas, tensor_parallel, gpus, on_gpus)
     actor = ray.remote(ExtractReplica).options(num_gpus=tensor_parallel if on_gpus else 0)
     sites, positions = request.sites, request.positions
+    cores = core_groups(replicas)  # CPU engines: the replicas' workers on cores of their own
     handles = [
-        actor.remote(
-            model, sites, positions, None if on_gpus else replica_cores(r, replicas), engine_kwargs
-        )
+        actor.remote(model, sites, positions, None if on_gpus else cores[r], engine_kwargs)
         for r in range(replicas)
     ]
     try:

@@ -20,23 +20,25 @@ _USER_ENV = {
 }
 
 
-def thread_binding(world_size: int, cpus: list[int] | None = None) -> str:
-    """`VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` workers its own cores.
-
-    Cores are split into contiguous, near-equal groups; with more workers than cores, workers
-    share cores round-robin (slow, but it starts).
-    """
+def core_groups(count: int, cpus: list[int] | None = None) -> list[list[int]]:
+    """`count` core lists of this process's cores (or `cpus`): contiguous, near-equal groups;
+    with more groups than cores, groups share cores round-robin (slow, but it starts)."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    if world_size >= len(cpus):
-        groups = [[cpus[rank % len(cpus)]] for rank in range(world_size)]
-    else:
-        base, extra = divmod(len(cpus), world_size)
-        groups, start = [], 0
-        for rank in range(world_size):
-            size = base + (1 if rank < extra else 0)
-            groups.append(cpus[start : start + size])
-            start += size
-    return "|".join(",".join(str(c) for c in group) for group in groups)
+    if count >= len(cpus):
+        return [[cpus[rank % len(cpus)]] for rank in range(count)]
+    base, extra = divmod(len(cpus), count)
+    groups, start = [], 0
+    for rank in range(count):
+        size = base + (1 if rank < extra else 0)
+        groups.append(cpus[start : start + size])
+        start += size
+    return groups
+
+
+def thread_binding(world_size: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` workers its own cores
+    (`core_groups`)."""
+    return "|".join(",".join(map(str, group)) for group in core_groups(world_size, cpus))
 
 
 def configure_cpu_environment(world_size: int) -> None:
