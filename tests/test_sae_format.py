@@ -47,7 +47,8 @@ SAELENS_CLASSES = {
 
 def saelens_sae(architecture: str, fields: dict[str, Any], seed: int = 0) -> Any:
     """A SAELens inference SAE with random weights (nonzero biases, thresholds that let part
-    of the features through) and a hook name in its metadata."""
+    of the features through, top-k rows with fewer than k positive features) and a hook name
+    in its metadata."""
     cls, cfg_cls = SAELENS_CLASSES[architecture]
     sae = cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, **fields))
     sae.cfg.metadata.hook_name = "layers.6.output"
@@ -57,6 +58,8 @@ def saelens_sae(architecture: str, fields: dict[str, Any], seed: int = 0) -> Any
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
         if architecture == "jumprelu":
             sae.threshold.copy_(torch.rand(D_SAE, generator=generator) * 0.5)
+        if architecture == "topk":
+            sae.b_enc.sub_(3.0)  # some rows' top k include negative pre-activations
     return sae
 
 
@@ -89,6 +92,8 @@ def assert_same_math(ours: vinterp.SAE, theirs: Any, x: torch.Tensor) -> None:
     f = ours.encode(x)
     assert f.shape == (*x.shape[:-1], D_SAE) and (f > 0).any() and (f == 0).any()
     assert rel(f, f_ref) <= 1e-5
+    if ours.k is not None:
+        assert ((f > 0).sum(-1) < ours.k).any()  # the relu after the top k matters
     assert rel(ours.decode(f, x), x_hat_ref) <= 1e-5
     if ours.normalize_activations not in fmt.RUN_TIME_NORMALIZATIONS:
         assert torch.equal(ours.decode(f), ours.decode(f, x))
