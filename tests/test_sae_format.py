@@ -242,7 +242,7 @@ def test_bad_wire_is_refused(tmp_path, corrupt, message) -> None:
 
 def test_bad_topk_k_on_the_wire(tmp_path) -> None:
     wire = loaded(tmp_path, "topk", {"k": 5}).to_wire()
-    with pytest.raises(WireError, match="k 49 exceeds d_sae 48"):
+    with pytest.raises(WireError, match="a topk SAE needs k in 1..48, not 49"):
         vinterp.SAE.from_wire(with_cfg(wire, k=D_SAE + 1))
 
 
