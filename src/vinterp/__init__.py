@@ -14,6 +14,7 @@ from vinterp.errors import (
     TraceError,
     VinterpError,
 )
+from vinterp.sae import SAE
 from vinterp.wire.json_form import captures_from_json
 from vinterp.wire.specs import Capture, Steering
 
@@ -25,6 +26,7 @@ __all__ = [
     "Client",
     "LLM",
     "Request",
+    "SAE",
     "Steering",
     "InterventionError",
     "OutOfOrderError",
