@@ -34,6 +34,9 @@ MAX_TOKENS = 16
 # uncompiled, so fewer tokens do)
 LONG_TOKENS = 64
 LONG_TRACE_TOKENS = 8
+# A traced prompt long enough that a busy server computes it over several steps (chunked
+# prefill beside the other clients' tokens): each prompt repeated this many times.
+LONG_PROMPT_REPEATS = 200
 DISCONNECT_AFTER_S = 0.25  # their client's read timeout
 SCALE = 8.0  # steering strength: enough to change every prompt's greedy answer
 # Captures and trace saves: the largest relative error (norm of the difference over the
@@ -45,7 +48,7 @@ TOLERANCE = 1e-4
 
 # Kinds of request. Unsteered ones must give the plain answers (no steering leaks into them).
 UNSTEERED = ("plain", "stream", "capture_last")
-STEERED = ("steered", "named", "capture_all", "trace")
+STEERED = ("steered", "named", "capture_all", "trace", "long_trace")
 JUDGED = UNSTEERED + STEERED  # answers compared with the reference
 KINDS = (*JUDGED, "malformed", "disconnect")
 # How often a client picks each kind, relative to the others.
@@ -57,6 +60,7 @@ WEIGHTS = {
     "capture_last": 1.0,
     "capture_all": 1.0,
     "trace": 1.0,
+    "long_trace": 0.5,
     "malformed": 0.5,
     "disconnect": 0.5,
 }
@@ -234,6 +238,13 @@ def _trace(session: Session, entry: Entry) -> Answer:
     return patching_trace(session.client, pair, session.pool.layers // 2, 1)
 
 
+def _long_trace(session: Session, entry: Entry) -> Answer:
+    prompts = session.pool.prompts
+    pair = [prompts[entry.index], prompts[(entry.index + 1) % len(prompts)]]
+    long = [" ".join([p] * LONG_PROMPT_REPEATS) for p in pair]
+    return patching_trace(session.client, long, session.pool.layers // 2, 1)
+
+
 def malformed_bodies(pool: Pool) -> list[tuple[str, str, Any]]:
     """(method, path, body) of requests that must get a 400 with an error message: bytes
     are sent as they are, anything else as JSON."""
@@ -304,6 +315,7 @@ SENDERS: dict[str, Callable[[Session, Entry], Answer]] = {
     "capture_last": _completion,
     "capture_all": _completion,
     "trace": _trace,
+    "long_trace": _long_trace,
     "malformed": _malformed,
     "disconnect": _disconnect,
 }
