@@ -18,6 +18,7 @@ LAYERS = [
     {"models", "sites", "store"},
     {"ir"},
     {"wire"},
+    {"sae"},
     {"interventions"},
     {"runtime"},
     {"engine"},

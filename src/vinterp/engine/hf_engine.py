@@ -15,6 +15,8 @@ from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
+from vinterp.runtime.sae_registry import SaeRegistry
+from vinterp.sae import SAE
 from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.hf_attention import install_head_sites
 from vinterp.sites.hf_hooks import install_hf_hooks
@@ -51,6 +53,7 @@ class HFEngine:
         self.interventions = HFInterventions()
         self.order = site_order(self.model.config)
         self.steps = 0
+        self.saes = SaeRegistry(self.model.device, self.model.dtype)
         install_hf_hooks(self.sites, self._at_site, self.order.router)
         if self.order.heads is not None:
             install_head_sites(self.model, self.sites, self._at_site)
@@ -80,6 +83,7 @@ class HFEngine:
             "final_norm": unhooked(self.sites.final_norm),
             "lm_head": unhooked(self.sites.lm_head),
             "param": lambda name: hf_param(self.sites, name),
+            **self.saes.functions(),
         }
         run = TraceRun(graph, plan, functions)
         outputs: list[Output | None] = [None] * len(graph.invokes)
@@ -138,6 +142,9 @@ class HFEngine:
     def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]:
         taken = self.take_captures(capture_ids)
         return lambda: taken
+
+    def attach_sae(self, site: str, sae: SAE) -> None:
+        self.saes.attach(site, sae)
 
     def set_global_steering(self, steering: list[Steering]) -> None:
         self.interventions.global_steering = list(steering)

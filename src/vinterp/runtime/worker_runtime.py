@@ -41,6 +41,7 @@ from vinterp.runtime.request_tracking import (
     StepSchedule,
     TrackedRequest,
 )
+from vinterp.runtime.sae_registry import SaeRegistry
 from vinterp.runtime.step_routing import StepMode, StepRouter
 from vinterp.runtime.tensor_parallel import ParallelLayout, TensorParallel, VLLMParams
 from vinterp.runtime.trace_dispatch import TraceDispatch
@@ -76,6 +77,8 @@ class WorkerRuntime:
             ),
             "param": VLLMParams(model, modules, self.tp).read,
         }
+        self.saes = SaeRegistry(steer.add.device, steer.add.dtype)
+        functions.update(self.saes.functions())
         # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
         sharded = parallel.tp_size > 1
         self.sharded = order.ids_of((*HEAD_SITES, PATTERN)) if sharded else frozenset()
@@ -104,6 +107,14 @@ class WorkerRuntime:
         if error is None:
             self.pipeline.add_trace(trace_id, self.traces.traces[trace_id])
         return error
+
+    def attach_sae(self, site: str, wire: dict[str, Any]) -> str | None:
+        """Attach an SAE sent as data; an error message (the engine stays up)."""
+        try:
+            self.saes.attach_wire(site, wire)
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"the SAE for {site} could not be attached: {exc}"
+        return None
 
     def forget(self, trace_id: str) -> None:
         """Drop a trace, its hooks and kept keys (after collection, or when it could not
