@@ -135,3 +135,31 @@ def test_an_sae_of_another_width_is_refused_before_anything_runs(llm, tmp_path) 
 def test_an_unknown_architecture_is_refused_at_load(tmp_path) -> None:
     with pytest.raises(ValueError, match="gated_frobnicator"):
         vinterp.SAE.load(write_saelens(tmp_path / "odd", architecture="gated_frobnicator"))
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_topk_capture_equals_the_sae_on_the_captured_residual(llm, hf, sae, backend) -> None:
+    model = llm if backend == "vllm" else hf
+    wide = vinterp.Capture([SITE, FEATURES, ERROR], positions="all", topk=32)
+    narrow = vinterp.Capture([SITE, FEATURES], positions="all_prompt", topk=4)
+    batch = [vinterp.Request(PROMPTS[0], capture=wide), vinterp.Request(PROMPTS[1], capture=narrow)]
+    outs = model.generate(batch, max_tokens=3)
+    for out, k in zip(outs, (32, 4)):
+        x = out.captures[SITE]
+        indices, values = out.captures[f"{FEATURES}.indices"], out.captures[f"{FEATURES}.values"]
+        assert indices.shape == values.shape == (x.shape[0], k) and not indices.is_floating_point()
+        want_indices, want_values = sae.topk(x, k)
+        torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(indices.sort().values, want_indices.sort().values)
+        assert (values[:, 0] > 0).all()
+    torch.testing.assert_close(outs[0].captures[ERROR], sae.error(outs[0].captures[SITE]))
+    assert FEATURES not in outs[0].captures  # top-k only: no dense (P, d_sae) rows
+
+
+def test_capture_of_sae_sites_is_checked_before_anything_runs(llm) -> None:
+    with pytest.raises(ValueError, match="needs a sparse autoencoder at layers.3.output"):
+        llm.generate(PROMPTS[0], capture=vinterp.Capture("layers.3.output.sae.features"))
+    with pytest.raises(ValueError, match="capture.topk: 5000 is more than the 2304"):
+        llm.generate(PROMPTS[0], capture=vinterp.Capture(FEATURES, topk=5000))
+    with pytest.raises(ValueError, match="topk: keeps the largest features of SAE sites"):
+        vinterp.Capture(SITE, topk=3)

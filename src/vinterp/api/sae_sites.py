@@ -1,7 +1,7 @@
 """SAE sites in the front end: where `llm.attach_sae` may attach an SAE, and the SAE sites of a
 trace (`llm.layers[i].output.sae.features`, `.sae.error`), recorded as what they mean on the
 host site's value, so every backend runs them with the same two model
-functions (`sae_encode`, `sae_decode`: `runtime.sae_registry`) and nothing new on the wire:
+functions (`sae_encode`, `sae_decode`: `interventions.sae_registry`) and nothing new on the wire:
 
 - features f = encode(x); error e = x - decode(f) (decode also takes x: an SAE that
   normalises its input at run time maps the reconstruction back with x's statistics);
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from vinterp.api.values import Value
 from vinterp.sae import SAE
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import SAE_HOSTS, SiteName, UnknownSiteError, parse_site
+from vinterp.sites.names import SAE_HOSTS, SiteName, UnknownSiteError, parse_site, sae_site
 
 
 def check_attachable(config: Any, site: str, sae: Any) -> None:
@@ -36,6 +36,26 @@ def check_attachable(config: Any, site: str, sae: Any) -> None:
             f"hidden-size rows: layers.{{i}}.{'|'.join(SAE_HOSTS)}"
         )
     sae.check_width(int(config.hidden_size), site)
+
+
+def check_sae_capture(saes: dict[str, Any], capture: Any, sites: list[str]) -> None:
+    """A capture's SAE sites need an SAE at their host, and `topk` no more features than it
+    has: ValueError naming the field."""
+    for site in sites:
+        parsed = sae_site(site)
+        if parsed is None:
+            continue
+        sae = saes.get(parsed.host)
+        if sae is None:
+            raise ValueError(
+                f"capture.sites: {site} needs a sparse autoencoder at {parsed.host}; call "
+                f"llm.attach_sae({parsed.host!r}, sae) first"
+            )
+        if capture.topk is not None and capture.topk > sae.d_sae:
+            raise ValueError(
+                f"capture.topk: {capture.topk} is more than the {sae.d_sae} "
+                f"features of the SAE at {parsed.host}"
+            )
 
 
 class SaeRecorder(Protocol):

@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 from vinterp.engine.backend import Captured, StreamRequest
 from vinterp.engine.hf_interventions import HFInterventions, HFRequest
 from vinterp.engine.outputs import Output
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
-from vinterp.runtime.sae_registry import SaeRegistry
 from vinterp.sae import SAE
 from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.hf_attention import install_head_sites
@@ -50,10 +50,10 @@ class HFEngine:
         self.stop_ids = self._eos_ids()
         self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
-        self.interventions = HFInterventions()
+        self.saes = SaeRegistry(self.model.device, self.model.dtype)
+        self.interventions = HFInterventions(self.saes)
         self.order = site_order(self.model.config)
         self.steps = 0
-        self.saes = SaeRegistry(self.model.device, self.model.dtype)
         install_hf_hooks(self.sites, self._at_site, self.order.router)
         if self.order.heads is not None:
             install_head_sites(self.model, self.sites, self._at_site)

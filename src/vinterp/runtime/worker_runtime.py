@@ -23,6 +23,7 @@ import torch
 
 from vinterp.interventions.applied import AppliedCheck
 from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import SteeringPlanner
 from vinterp.interventions.tables import RowSpan
@@ -41,13 +42,12 @@ from vinterp.runtime.request_tracking import (
     StepSchedule,
     TrackedRequest,
 )
-from vinterp.runtime.sae_registry import SaeRegistry
 from vinterp.runtime.step_routing import StepMode, StepRouter
 from vinterp.runtime.tensor_parallel import ParallelLayout, TensorParallel, VLLMParams
 from vinterp.runtime.trace_dispatch import TraceDispatch
 from vinterp.sites.attention_pattern import PatternMath
 from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site
+from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site, sae_site
 from vinterp.wire.json_form import payload_from_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 
@@ -90,7 +90,9 @@ class WorkerRuntime:
         self.keys = KeyStore()
         self.pattern_captures: dict[str, list[RequestCapture]] = {}
         self.capture_buffers = capture
-        self.interventions = WorkerInterventions(ships_results, order, steer.add.shape[1])
+        self.interventions = WorkerInterventions(
+            ships_results, order, steer.add.shape[1], self.saes
+        )
         self.steering = SteeringPlanner(steer, order)
         self.tracker = RequestTracker(self._describe)
         self.router = StepRouter(
@@ -169,7 +171,7 @@ class WorkerRuntime:
         if capture is not None and self.capture_buffers is not None:
             chosen = self.capture_buffers.chosen
             req.captures_in_buffers = not capture.patterns and all(
-                self.order[s] in chosen for s in capture.sites
+                self.order[s] in chosen and sae_site(s) is None for s in capture.sites
             )
         return req
 
@@ -264,7 +266,7 @@ class WorkerRuntime:
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
-        if site in self.interventions.capture_tables:
+        if self.interventions.records_at(site):
             self.interventions.record(site, hidden + residual)
         return self.traces.at_stream(site, hidden, residual)
 

@@ -26,7 +26,7 @@ READ_ONLY_PARTS = ("mlp.router.experts", PATTERN)  # parts a trace reads but nev
 RAW_PREFIX = "raw."
 # A sparse autoencoder attached at a layer site of hidden-size rows (`llm.attach_sae`) adds
 # two sites after it: `<host>.sae.features` (T, d_sae) and `<host>.sae.error` (T, H), the
-# reconstruction error; they are computed from the host's value (`runtime.sae_registry`).
+# reconstruction error; they are computed from the host's value (`interventions.sae_registry`).
 SAE_HOSTS = LAYER_SITES
 SAE_PARTS = ("features", "error")
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a

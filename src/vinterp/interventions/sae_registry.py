@@ -5,7 +5,8 @@ model, and under TP the residual they read is whole on every rank) or the HF bac
 A trace reads their sites through two model functions, `sae_encode(x, host)` and
 `sae_decode(f, host, x)` (x: the rows f was encoded from, for an SAE that normalises its
 input at run time; the front end records `llm.layers[i].output.sae.features` as
-`sae_encode` of the host's value), so every backend runs the same code.
+`sae_encode` of the host's value), so every backend runs the same code. A capture of an
+SAE site keeps what `captured` derives from its host's captured rows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 
 from vinterp.sae import SAE
+from vinterp.sites.names import parse_site
+from vinterp.wire.specs import stored_sites
 
 
 class SaeRegistry:
@@ -53,3 +56,16 @@ class SaeRegistry:
     def functions(self) -> dict[str, Callable[..., Any]]:
         """The model functions a trace calls (`ir.ops.MODEL_FUNCTIONS`)."""
         return {"sae_encode": self.encode, "sae_decode": self.decode}
+
+    def captured(self, site: str, rows: torch.Tensor, topk: int | None) -> dict[str, torch.Tensor]:
+        """What a capture of the SAE site `site` keeps of its host's rows (`stored_sites`):
+        the features, or their `topk` largest as `.indices` (int64) and `.values`, largest
+        first; or the reconstruction error."""
+        parsed = parse_site(site)
+        sae = self.of(parsed.host)
+        if parsed.sae == "error":
+            return {site: sae.error(rows)}
+        if topk is None:
+            return {site: sae.encode(rows)}
+        indices, values = sae.topk(rows, min(topk, sae.d_sae))
+        return dict(zip(stored_sites(site, topk), (indices, values)))
