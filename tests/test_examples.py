@@ -99,8 +99,8 @@ def test_sae_training(llm, tmp_path) -> None:
     assert last < 0.05 * first  # SAELens's loss falls
     # held-out prompts' rows: the SAE explains most of their variance, their mean none of it
     assert result["held_out_fve"] >= 0.8
-    assert (tmp_path / "sae" / "cfg.json").exists()
-    assert (tmp_path / "sae" / "sae_weights.safetensors").exists()
+    sae = vinterp.SAE.load(tmp_path / "sae")  # saved by SAELens's save_model
+    assert (sae.architecture, sae.d_in, sae.d_sae) == ("standard", 576, module.EXPANSION * 576)
     assert_pngs(result["png"])
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vinterp.ir.graph import Block, Graph, Invoke, Node, decode_arg, encode_arg, ref
-from vinterp.ir.plan import PlanError, fit_rounds, make_plan
+from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.executor import TraceRun
 from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
@@ -215,26 +215,6 @@ def test_references_inside_slices_are_dependencies() -> None:
 
     assert refs_in({"slice": [{"ref": 3}, None, {"ref": 5}]}) == [3, 5]
     assert refs_in([{"items": [{"slice": [None, {"ref": 7}, None]}]}]) == [7]
-
-
-@given(
-    st.lists(st.integers(1, 40), min_size=1, max_size=30),
-    st.integers(1, 60),
-    st.integers(1, 4),
-)
-def test_fit_rounds_cuts_rounds_into_parts_that_fit_one_step(lengths, budget, num_rounds) -> None:
-    rounds = [list(range(len(lengths)))[r::num_rounds] for r in range(num_rounds)]
-    rounds = [r for r in rounds if r]
-    parts = fit_rounds(rounds, lengths, budget)
-    # every round's invokes, in order, and no part mixes two rounds (their order is kept)
-    assert [k for part in parts for k in part] == [k for r in rounds for k in r]
-    round_of = {k: i for i, r in enumerate(rounds) for k in r}
-    assert all(len({round_of[k] for k in part}) == 1 for part in parts)
-    for part, following in zip(parts, [*parts[1:], None]):
-        used = sum(lengths[k] for k in part)
-        assert used <= budget or len(part) == 1  # a prompt over the budget goes alone
-        if following and round_of[following[0]] == round_of[part[0]]:
-            assert used + lengths[following[0]] > budget  # no part is cut earlier than needed
 
 
 def test_an_invoke_works_at_the_steps_of_its_own_nodes_only() -> None:

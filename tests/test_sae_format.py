@@ -47,7 +47,8 @@ SAELENS_CLASSES = {
 
 def saelens_sae(architecture: str, fields: dict[str, Any], seed: int = 0) -> Any:
     """A SAELens inference SAE with random weights (nonzero biases, thresholds that let part
-    of the features through) and a hook name in its metadata."""
+    of the features through, top-k rows with fewer than k positive features) and a hook name
+    in its metadata."""
     cls, cfg_cls = SAELENS_CLASSES[architecture]
     sae = cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, **fields))
     sae.cfg.metadata.hook_name = "layers.6.output"
@@ -57,6 +58,8 @@ def saelens_sae(architecture: str, fields: dict[str, Any], seed: int = 0) -> Any
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
         if architecture == "jumprelu":
             sae.threshold.copy_(torch.rand(D_SAE, generator=generator) * 0.5)
+        if architecture == "topk":
+            sae.b_enc.sub_(3.0)  # some rows' top k include negative pre-activations
     return sae
 
 
@@ -89,6 +92,8 @@ def assert_same_math(ours: vinterp.SAE, theirs: Any, x: torch.Tensor) -> None:
     f = ours.encode(x)
     assert f.shape == (*x.shape[:-1], D_SAE) and (f > 0).any() and (f == 0).any()
     assert rel(f, f_ref) <= 1e-5
+    if ours.k is not None:
+        assert ((f > 0).sum(-1) < ours.k).any()  # the relu after the top k matters
     assert rel(ours.decode(f, x), x_hat_ref) <= 1e-5
     if ours.normalize_activations not in fmt.RUN_TIME_NORMALIZATIONS:
         assert torch.equal(ours.decode(f), ours.decode(f, x))
@@ -237,7 +242,7 @@ def test_bad_wire_is_refused(tmp_path, corrupt, message) -> None:
 
 def test_bad_topk_k_on_the_wire(tmp_path) -> None:
     wire = loaded(tmp_path, "topk", {"k": 5}).to_wire()
-    with pytest.raises(WireError, match="k 49 exceeds d_sae 48"):
+    with pytest.raises(WireError, match="a topk SAE needs k in 1..48, not 49"):
         vinterp.SAE.from_wire(with_cfg(wire, k=D_SAE + 1))
 
 

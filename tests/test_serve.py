@@ -397,11 +397,16 @@ def test_out_of_order_trace_is_refused_with_its_cause(client) -> None:
             client.layers[3].output = late
 
 
-def test_a_traced_prompt_no_step_can_hold_is_refused_with_the_fix(client, server) -> None:
+def test_a_traced_prompt_longer_than_a_step_runs_in_chunks(client) -> None:
+    """More prompt tokens than the server's step computes: the trace runs over the chunks,
+    its saves equal the fast path's capture of the same prompt."""
     long = " ".join(["Paris"] * (STEP_TOKENS + 100))
-    with pytest.raises(vinterp.InterventionError, match="max_num_batched_tokens of at least"):
-        with client.trace(long, max_tokens=1, use_tqdm=False):
-            client.logits.save()
-    with client.trace(PROMPT, max_tokens=1, use_tqdm=False):  # the server serves on
-        logits = client.logits.save()
-    assert logits.shape[-1] == client.config.vocab_size
+    site = "layers.5.output"
+    with client.trace(long, max_tokens=1, use_tqdm=False):
+        last = client.layers[5].output[-1].save()
+        mean = client.layers[5].output.mean(0).save()
+    capture = vinterp.Capture(site, positions="all_prompt")
+    rows = client.generate(long, max_tokens=1, capture=capture, use_tqdm=False)[0].captures[site]
+    assert rows.shape[0] > STEP_TOKENS
+    assert rel_err(last.float(), rows[-1].float()) < 1e-5
+    assert rel_err(mean.float(), rows.float().mean(0)) < 1e-3

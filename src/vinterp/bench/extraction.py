@@ -48,7 +48,14 @@ from vinterp.bench.workloads import (
     vinterp_engine,
 )
 from vinterp.engine.plain_vllm import greedy_params
-from vinterp.store import ActivationStore, Columns, PendingShard, ShardWriter, row_size
+from vinterp.store import (
+    WRITER_THREADS,
+    ActivationStore,
+    Columns,
+    PendingShard,
+    ShardWriter,
+    row_size,
+)
 
 KEYS = EXTRACTION
 PROMPT_TOKENS = 256  # `vinterp bench --prompt-tokens`
@@ -266,11 +273,14 @@ def time_extract(
     return timing, written[-1], count[-1], timed[median]
 
 
-def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> Timing:
+def time_store_alone(
+    root: Path, columns: Columns, rows: int, repeats: int, threads: int = WRITER_THREADS
+) -> Timing:
     """Times of the store writing `rows` rows of `columns` into a fresh directory under
-    `root` (deleted after each run, not timed) at `llm.extract`'s shard size, on its writer
-    threads, from one shard of random values made beforehand: the disk's and Arrow's share
-    of an extraction, with no engine."""
+    `root` (deleted after each run, not timed) at `llm.extract`'s shard size, on `threads`
+    writers (an engine's, or as many as data-parallel replicas have), from one shard of
+    random values made beforehand: the disk's and Arrow's share of an extraction, with no
+    engine."""
     size = shard_bytes(columns, BUFFER_GB)
     per_shard = max(size // row_size(columns), 1)
     random = np.random.default_rng(0)
@@ -285,7 +295,7 @@ def time_store_alone(root: Path, columns: Columns, rows: int, repeats: int) -> T
     def write(rows: int = rows) -> None:
         runs.append(Path(tempfile.mkdtemp(prefix="store-", dir=root)))
         store = ActivationStore.open(runs[-1], {"bench": "store alone"}, columns, size)
-        with ShardWriter(store) as writer:
+        with ShardWriter(store, threads) as writer:
             for index, start in enumerate(range(0, rows, per_shard)):
                 n = min(per_shard, rows - start)
                 shard = {name: values[:n] for name, values in block.items()}

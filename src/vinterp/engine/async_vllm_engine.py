@@ -26,7 +26,6 @@ from vinterp.engine.vllm_engine import (
     raise_attach_errors,
     request_params,
     to_output,
-    traced_rounds,
     unapplied_error,
     vllm_prompt,
 )
@@ -56,10 +55,8 @@ async def run_trace(
     engine: Any, wire: dict[str, Any], graph: Graph, plan: Plan, use_tqdm: bool = False
 ) -> tuple[list[Output], list[Any]]:
     """A trace on vLLM's async engine (`engine`: its `AsyncLLM`): the graph sent to the workers
-    once, every invoke of a round in flight at once (a round in parts that fit one engine
-    step), rounds in order, the saves collected even when a round fails. Returns the outputs
-    and every worker's report."""
-    rounds = traced_rounds(graph, plan, engine.vllm_config)
+    once, every invoke of a round in flight at once, rounds in order, the saves collected even
+    when a round fails. Returns the outputs and every worker's report."""
     trace_id = uuid.uuid4().hex
     errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
     if any(errors):
@@ -76,7 +73,7 @@ async def run_trace(
 
     outputs: list[Any] = [None] * len(graph.invokes)
     try:
-        for round_ in rounds:
+        for round_ in plan.rounds:
             for k, out in zip(round_, await asyncio.gather(*(complete(k) for k in round_))):
                 outputs[k] = out
     finally:

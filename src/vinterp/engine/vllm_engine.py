@@ -37,7 +37,7 @@ from vinterp.interventions.capture_buffers import (
 from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
-from vinterp.ir.plan import Plan, PlanError, fit_rounds
+from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.sae import SAE
 from vinterp.sites.modules import site_order
@@ -169,34 +169,6 @@ def vllm_prompt(ids: list[int], salted: bool) -> dict[str, Any]:
     if salted:
         prompt["cache_salt"] = uuid.uuid4().hex
     return prompt
-
-
-def step_token_budget(vllm_config: Any) -> int:
-    """How many prompt tokens of one request one engine step can compute."""
-    scheduler = vllm_config.scheduler_config
-    budget = min(
-        scheduler.max_num_batched_tokens,
-        scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens,
-    )
-    threshold = scheduler.long_prefill_token_threshold
-    return min(budget, threshold) if threshold > 0 else budget
-
-
-def traced_rounds(graph: Graph, plan: Plan, vllm_config: Any) -> list[list[int]]:
-    """The plan's rounds cut so that each part's prompts fit one engine step (`fit_rounds`):
-    a traced prompt must be computed in one step. A prompt no step can hold is refused here,
-    before anything runs."""
-    budget = step_token_budget(vllm_config)
-    lengths = [len(invoke.prompt) for invoke in graph.invokes]
-    for k, n in enumerate(lengths):
-        if n > budget:
-            raise InterventionError(
-                f"the prompt of invoke {k} has {n} tokens, more than one engine step computes "
-                f"({budget}, max_num_batched_tokens); a traced prompt must be computed in one "
-                "step, so chunked prefill cannot split it: start the engine with "
-                f"max_num_batched_tokens of at least {n}"
-            )
-    return fit_rounds(plan.rounds, lengths, budget)
 
 
 class VLLMEngine:
@@ -333,9 +305,7 @@ class VLLMEngine:
         return set(self._named)
 
     def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
-        """Send the graph once, run the invokes round by round (each round in parts that fit
-        one engine step), collect saves and failure."""
-        rounds = traced_rounds(graph, plan, self.llm.llm_engine.vllm_config)
+        """Send the graph once, run the invokes round by round, collect saves and failure."""
         trace_id = uuid.uuid4().hex
         errors = self.llm.collective_rpc("vinterp_begin", args=(trace_id, to_wire(graph)))
         if any(errors):
@@ -343,7 +313,7 @@ class VLLMEngine:
             raise PlanError(next(e for e in errors if e))
         outputs: list[Output | None] = [None] * len(graph.invokes)
         try:
-            for round_ in rounds:
+            for round_ in plan.rounds:
                 params = [invoke_params(graph, k, trace_id) for k in round_]
                 prompts = [self._prompt(graph.invokes[k].prompt, True) for k in round_]
                 results = self.llm.generate(prompts, params, use_tqdm=use_tqdm)

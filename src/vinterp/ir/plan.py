@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from vinterp.ir.graph import STEP_ZERO, Graph, Node, node_inputs
-from vinterp.sites.names import RAW_POSITION, SiteOrder, is_read_only
+from vinterp.ir.positions import prompt_dependence, refusal
+from vinterp.sites.names import RAW_POSITION, SiteOrder, is_pattern, is_read_only
 from vinterp.sites.params import parse_param
 
 ANY_TIME = -1  # anchor of values that need no site (user tensors)
@@ -104,6 +105,7 @@ def make_plan(graph: Graph, sites: SiteOrder, last_stage_start: int | None = Non
                 out_of_order=True,
             )
         anchors.append(max(site_pos, inputs_at))
+    _check_positions(graph, sites)
     plan = Plan(anchors=anchors, rounds=_rounds(len(graph.invokes), depends_on))
     for node_id, node in enumerate(graph.nodes):
         if node.kind in ("read", "write") or node_id in graph.saves:
@@ -116,6 +118,31 @@ def make_plan(graph: Graph, sites: SiteOrder, last_stage_start: int | None = Non
                 site = FIRST_SITE if at == ANY_TIME else sites.sites[at]
             plan.schedule.setdefault((node.invoke, site), []).append(node_id)
     return plan
+
+
+def _check_positions(graph: Graph, sites: SiteOrder) -> None:
+    """Refuse a first-step write that needs a later position of its prompt than it writes:
+    vLLM may compute the prompt in chunks, in position order (`ir.positions`)."""
+
+    def row_ndim(site: str) -> int | None:
+        if site in ("logits", "samples") or is_pattern(site) or sites[site] == RAW_POSITION:
+            return None
+        return len(sites.row_shape(site, 0))
+
+    deps = prompt_dependence(graph, row_ndim)
+    for node_id, node in enumerate(graph.nodes):
+        why = refusal(graph, deps, node_id, row_ndim)
+        if why is not None:
+            raise PlanError(
+                f"the write to {node.target} in the prompt's step needs a later position than "
+                f"it writes ({why}). vLLM computes a long prompt in chunks, in position order "
+                "(chunked prefill; max_num_batched_tokens sets the chunk), so a position already "
+                "computed cannot take it. Compute the value in an earlier invoke of the same "
+                "prompt and write it in a later one, or write it in tr.iter[1:] (the generated "
+                "tokens)",
+                node.line,
+                out_of_order=True,
+            )
 
 
 def _owner_position(node: Node, sites: SiteOrder, last_stage: int) -> int:
@@ -140,24 +167,3 @@ def _rounds(num_invokes: int, depends_on: dict[int, set[int]]) -> list[list[int]
     for invoke, lv in enumerate(level):
         rounds[lv].append(invoke)
     return rounds
-
-
-def fit_rounds(rounds: list[list[int]], lengths: list[int], budget: int) -> list[list[int]]:
-    """Each round cut, in order, into parts whose prompts (`lengths[invoke]` tokens) fit one
-    engine step's token budget together, so the scheduler never splits a traced prompt over
-    steps to fit it beside the others (chunked prefill). A round's invokes use none of each
-    other's values, so running them in parts changes nothing but the time. A prompt longer
-    than the budget gets a part of its own (the engine refuses it)."""
-    parts: list[list[int]] = []
-    for round_ in rounds:
-        part: list[int] = []
-        used = 0
-        for invoke in round_:
-            if part and used + lengths[invoke] > budget:
-                parts.append(part)
-                part, used = [], 0
-            part.append(invoke)
-            used += lengths[invoke]
-        if part:
-            parts.append(part)
-    return parts

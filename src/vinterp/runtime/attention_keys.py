@@ -8,6 +8,8 @@ token's row.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from vinterp.interventions.specs import WorkerCapture
@@ -68,11 +70,26 @@ def pattern_captures(captures: list[RequestCapture]) -> dict[str, list[RequestCa
 
 
 class KeyStore:
-    """Every kept key: traced invokes' by (trace id, invoke), capturing requests' by id."""
+    """Every kept key: traced invokes' by (trace id, invoke), capturing requests' by id; and
+    the queries of a traced prompt computed in chunks, for its pattern over the whole prompt."""
 
     def __init__(self) -> None:
         self.invokes: dict[tuple[str, int], dict[str, KeptKeys]] = {}
         self.captures: dict[str, dict[str, KeptKeys]] = {}
+        self.queries: dict[tuple[str, int], dict[str, KeptKeys]] = {}
+
+    def whole_prompt(
+        self, trace_id: str, invoke: int, site: str, chunk: Pattern, final: bool
+    ) -> Pattern | None:
+        """A chunk's pattern rows kept until the prompt's last chunk, which gets the pattern
+        of every prompt position (None before it)."""
+        kept = self.queries.setdefault((trace_id, invoke), {}).setdefault(site, KeptKeys())
+        queries = kept.put(int(chunk.positions[0]), chunk.query)
+        if not final:
+            return None
+        del self.queries[(trace_id, invoke)][site]
+        positions = torch.arange(len(queries), device=chunk.positions.device)
+        return replace(chunk, query=queries, positions=positions)
 
     def of_invoke(self, trace_id: str, invoke: int) -> dict[str, KeptKeys]:
         return self.invokes.setdefault((trace_id, invoke), {})
@@ -89,11 +106,12 @@ class KeyStore:
             self.captures.pop(req_id, None)
 
     def forget_trace(self, trace_id: str) -> None:
-        for kept in [k for k in self.invokes if k[0] == trace_id]:
-            del self.invokes[kept]
+        for store in (self.invokes, self.queries):
+            for kept in [k for k in store if k[0] == trace_id]:
+                del store[kept]
 
     def forget_request(self, req_id: str) -> None:
         self.captures.pop(req_id, None)
 
     def held(self) -> int:
-        return len(self.invokes) + len(self.captures)
+        return len(self.invokes) + len(self.captures) + sum(map(len, self.queries.values()))

@@ -33,6 +33,18 @@ class Slot:
     first: int = 0  # the position of its first row
 
 
+@dataclass
+class Replay:
+    """Rows of a traced request that recompute positions its trace already ran (after a
+    preemption): `start`..`end` of the batch, from position `first`."""
+
+    run: TraceRun
+    invoke: int
+    start: int
+    end: int
+    first: int
+
+
 class TraceDispatch:
     """The worker's traces and this step's slots: `wanted` (site -> slots with work there)
     and `keeping` (pattern site -> slots whose invoke reads it in some step)."""
@@ -54,6 +66,7 @@ class TraceDispatch:
         self.slots: list[Slot] = []
         self.wanted: dict[str, list[Slot]] = {}
         self.keeping: dict[str, list[Slot]] = {}
+        self.replays: dict[str, list[Replay]] = {}
 
     def begin(self, trace_id: str, wire: dict[str, Any], on_raw: Callable[..., Any]) -> str | None:
         """Register a trace; an error message (not an exception: the engine stays up)."""
@@ -92,35 +105,65 @@ class TraceDispatch:
         return {"saved": saved, "failure": failure}
 
     def works_now(self, req: TrackedRequest, num_tokens: int) -> bool:
-        """Whether a traced request's invoke has work in a step of `num_tokens` of its tokens."""
+        """Whether a traced request's invoke has work in a step of `num_tokens` of its tokens
+        (its nodes, or rows to replay where it wrote)."""
         if req.trace is None:
             return False
         run = self.traces.get(req.trace[0])
-        return run is not None and run.works_at(req.trace[1], req.step(num_tokens))
+        if run is None:
+            return False
+        invoke = req.trace[1]
+        replays = req.num_computed < run.done.get(invoke, 0) and bool(run.write_sites(invoke))
+        return replays or run.works_at(invoke, req.step(num_tokens))
 
     def clear_step(self) -> None:
-        self.slots, self.wanted, self.keeping = [], {}, {}
+        self.slots, self.wanted, self.keeping, self.replays = [], {}, {}, {}
 
     def add_slot(self, req: TrackedRequest, row: int, start: int, end: int) -> None:
-        """A traced request's rows in this (uncompiled) step."""
+        """A traced request's rows in this (uncompiled) step. The prompt's step may come in
+        chunks (chunked prefill); positions the trace already ran (a preempted request
+        computed again) are replayed: at the sites the invoke wrote, their written rows."""
         trace_id, invoke = req.trace  # type: ignore[misc]
         run = self.traces[trace_id]
-        step = req.step(end - start)
-        if step == 0 and (req.num_computed > 0 or end - start < req.prompt_len):
+        first, done = req.num_computed, run.done.get(invoke, 0)
+        if first > done:
             if run.failure is None:
-                run.failure = Failure("", _split_prompt(req, invoke), invoke, 0)
+                run.failure = Failure("", _uncomputed_prefix(req, invoke), invoke, 0)
             return
-        slot = Slot(run, trace_id, invoke, step, start, end, row, req.num_computed)
+        fresh = start + min(end - start, done - first)
+        if fresh > start:
+            replay = Replay(run, invoke, start, fresh, first)
+            for site in run.write_sites(invoke):
+                self.replays.setdefault(site, []).append(replay)
+        if fresh == end:
+            return
+        begin = first + fresh - start
+        step = req.step(end - start)
+        if step == 0:
+            run.begin_chunk(invoke, begin, begin + end - fresh)
+        run.done[invoke] = begin + end - fresh
+        slot = Slot(run, trace_id, invoke, step, fresh, end, row, begin)
         self.slots.append(slot)
         for site in run.sites_by_invoke.get(invoke, ()):
             self.wanted.setdefault(site, []).append(slot)
         for site in run.patterns_by_invoke.get(invoke, ()):
             self.keeping.setdefault(site, []).append(slot)
 
+    def _replay(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
+        """`x` with the replayed rows of this site set to what the trace wrote there."""
+        out = None
+        for replay in self.replays.get(site, ()):
+            rows = slice(replay.start, replay.end)
+            written = replay.run.replayed(replay.invoke, site, replay.first, x[rows])
+            if written is not None:
+                out = x.clone() if out is None else out
+                out[rows] = written
+        return out
+
     def at_site(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
         """The traced invokes' nodes at a site whose value `x` (T, ...) is whole: a new value
         where one of them writes (their rows replaced), else None."""
-        out = None
+        out = self._replay(site, x) if self.replays else None
         for slot in self.wanted.get(site, ()):
             source = x if out is None else out
             new = slot.run.at_site(slot.invoke, slot.step, site, source[slot.start : slot.end])
@@ -134,6 +177,14 @@ class TraceDispatch:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """As `at_site`, for a value vLLM carries as (hidden, residual) with the sum meant."""
         out = None
+        for replay in self.replays.get(site, ()):
+            rows = slice(replay.start, replay.end)
+            sum_ = hidden[rows] + residual[rows]
+            new = replay.run.replayed(replay.invoke, site, replay.first, sum_)
+            if new is not None:
+                out = (hidden.clone(), residual.clone()) if out is None else out
+                out[0][rows] = 0
+                out[1][rows] = new
         for slot in self.wanted.get(site, ()):
             h, r = (hidden, residual) if out is None else out
             rows = slice(slot.start, slot.end)
@@ -162,13 +213,8 @@ class TraceDispatch:
             slot.run.at_site(slot.invoke, slot.step, "samples", token)
 
 
-def _split_prompt(req: TrackedRequest, invoke: int) -> str:
-    cause = (
-        f"its first {req.num_computed} tokens came from vLLM's prefix cache"
-        if req.num_computed
-        else f"the scheduler split its {req.prompt_len} tokens over several engine "
-        "steps (chunked prefill) to fit them beside other requests' tokens in a "
-        "step's budget (max_num_batched_tokens); run the trace again, or start the "
-        "engine with a larger max_num_batched_tokens"
+def _uncomputed_prefix(req: TrackedRequest, invoke: int) -> str:
+    return (
+        f"the prompt of invoke {invoke} was not computed by the trace: its first "
+        f"{req.num_computed} tokens came from vLLM's prefix cache"
     )
-    return f"the prompt of invoke {invoke} was not computed in one step: {cause}"

@@ -292,8 +292,16 @@ class WorkerRuntime:
         for slot in slots:
             kept = self.keys.of_invoke(slot.trace_id, slot.invoke)
             pattern = kept_pattern(kept, site, query, key, slot.start, slot.end, slot.first, math)
-            if id(slot) in reading:
-                slot.run.at_site(slot.invoke, slot.step, site, pattern)
+            if id(slot) not in reading:
+                continue
+            chunk = slot.run.chunk(slot.invoke)
+            if slot.step == 0 and (chunk.start > 0 or not chunk.final):  # a prompt in chunks
+                ids = (slot.trace_id, slot.invoke, site)
+                whole = self.keys.whole_prompt(*ids, pattern, chunk.final)
+                if whole is None:
+                    continue
+                pattern = whole
+            slot.run.at_site(slot.invoke, slot.step, site, pattern)
         for req_id, span, capture in captures:
             kept = self.keys.of_capture(req_id)
             first, last = span.first_position, span.prompt_len - 1

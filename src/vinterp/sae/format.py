@@ -106,8 +106,6 @@ def settings(cfg: Any) -> dict[str, Any]:
     if architecture == "topk":
         out["k"] = _positive_int(cfg, "k")
         out["rescale_acts_by_decoder_norm"] = _bool(cfg, "rescale_acts_by_decoder_norm", False)
-        if out["k"] > out["d_sae"]:
-            raise ValueError(f"SAE cfg k {out['k']} exceeds d_sae {out['d_sae']}")
     return out
 
 
