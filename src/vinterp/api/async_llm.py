@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from vinterp.api.llm import LocalModel
 from vinterp.api.requests import Request, agenerate, deliver_all, prepare
+from vinterp.api.sae_sites import check_attachable
 from vinterp.api.steering_control import AsyncSteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.outputs import Output
+from vinterp.sae import SAE
 from vinterp.wire.specs import Capture, Steering
 
 
@@ -61,6 +63,12 @@ class AsyncLLM(LocalModel):
         """As `LLM.generate`, awaited; every prompt in flight at once. No progress bar unless
         `use_tqdm=True` (many generations at once would draw over each other)."""
         return await agenerate(self, prompts, steering, capture, sampling, use_tqdm)
+
+    async def attach_sae(self, site: str, sae: SAE) -> None:
+        """As `LLM.attach_sae`, awaited."""
+        check_attachable(self.config, site, sae)
+        await self.backend.attach_sae(site, sae)
+        self.saes[site] = sae
 
     async def stream(
         self,

@@ -70,6 +70,13 @@ class Client(RemoteModel):
         _memory_only(capture, prompts)
         return generate(self, prompts, steering, capture, sampling, use_tqdm)
 
+    def attach_sae(self, site: str, sae: Any) -> None:
+        """Not over HTTP yet: a server takes no SAE from its clients."""
+        raise NotImplementedError(
+            "vinterp serve does not take sparse autoencoders from clients yet; attach the SAE "
+            "with vinterp.LLM(...).attach_sae(site, sae) in the model's own process"
+        )
+
     def step_stats(self) -> dict[str, int]:
         """The server engine's step counts (see `LLM.step_stats`)."""
         return self.backend.step_stats()

@@ -494,7 +494,14 @@ def expand_sites(config: Any, sites: str | list[str]) -> list[str]:
     except UnknownSiteError as exc:
         raise ValueError(f"sites: {exc}") from None
     for site in expanded:  # the dataset's columns are rows of the hidden size
-        part = parse_site(site).part
+        parsed = parse_site(site)
+        if parsed.sae:
+            raise ValueError(
+                f"sites: {site} is a sparse autoencoder's site, which extract does not store "
+                "yet; capture its top features with llm.generate(..., "
+                f"capture=vinterp.Capture({site!r}, topk=k))"
+            )
+        part = parsed.part
         if part in ROUTER_SITES or part in (*HEAD_SITES, PATTERN):
             kind = "a router" if part in ROUTER_SITES else "an attention head"
             raise ValueError(

@@ -30,6 +30,7 @@ class TraceFrontEnd:
         self.final_norm = ModulePoint(self, "final_norm", "final_norm")
         self.lm_head = ModulePoint(self, "lm_head", "lm_head")
         self.raw = RawPoint(self)
+        self.saes: dict[str, Any] = {}  # host site -> the vinterp.SAE attached there
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a text prompt (the model's tokenizer)."""

@@ -8,11 +8,13 @@ from typing import Any, Literal
 from vinterp.api.extract import BUFFER_GB, Extraction, ExtractionRequest, extract_on
 from vinterp.api.front_end import TraceFrontEnd
 from vinterp.api.requests import Request, generate
+from vinterp.api.sae_sites import check_attachable
 from vinterp.api.steering_control import SteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.backend import Backend
 from vinterp.engine.outputs import Output
 from vinterp.models.dtype import checkpoint_dtype
+from vinterp.sae import SAE
 from vinterp.sites.modules import check_site_paths
 from vinterp.wire.specs import Capture, Steering
 
@@ -144,6 +146,15 @@ class LLM(LocalModel):
         Sampling options are vLLM's (greedy, 16 tokens by default). Specs are checked against
         the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
         return generate(self, prompts, steering, capture, sampling, use_tqdm)
+
+    def attach_sae(self, site: str, sae: SAE) -> None:
+        """Attach a sparse autoencoder at `site` (e.g. "layers.10.output"; one per site, a
+        later one replaces it): `<site>.sae.features` and `.sae.error` become sites of traces,
+        captures and steering (API.md section 5, "Sparse autoencoders"). Checked here (the
+        site, the SAE's width), then sent to every worker once."""
+        check_attachable(self.config, site, sae)
+        self.backend.attach_sae(site, sae)
+        self.saes[site] = sae
 
     def extract(
         self,

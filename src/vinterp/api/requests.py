@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors.torch import save
 
 from vinterp.api.front_end import TraceFrontEnd
+from vinterp.api.sae_sites import check_sae_capture
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.errors import CaptureWriteError, InterventionError
@@ -30,6 +31,7 @@ from vinterp.wire.specs import (
     capture_sites,
     selected_count,
     steering_misfit,
+    stored_sites,
 )
 
 log = logging.getLogger("vinterp.capture")
@@ -130,6 +132,7 @@ def prepare(
         cap = request.capture if request.capture is not None else capture
         if cap is not None:
             req.capture_sites = capture_sites(cap, order)  # ValueError naming the field
+            check_sae_capture(llm.saes, cap, req.capture_sites)
             req.capture, req.capture_id = cap, uuid.uuid4().hex
         prepared.append(req)
     return prepared
@@ -146,13 +149,14 @@ def captured_tensors(
     rows: dict[str, Any], prompt_len: int, generated: int, capture: Capture, sites: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """Per site of `sites`, (P, H) rows in position order, limited to tokens the model
-    actually read (a scheduler step past the end would otherwise add one). A site with fewer
+    actually read (a scheduler step past the end would otherwise add one); an SAE's top-k
+    features as `<site>.indices` and `<site>.values`, (P, topk) each. A site with fewer
     rows than `capture` selects is an InterventionError: a capture that was not applied is an
     error, never an empty or short result (DESIGN.md lesson 11)."""
     read_upto = prompt_len + max(generated - 1, 0)
     wanted = selected_count(capture.positions, 0, read_upto, prompt_len)
     tensors, positions = {}, {}
-    for site in sites:
+    for site in (name for s in sites for name in stored_sites(s, capture.topk)):
         data = rows.get(site, _NOTHING_CAPTURED)
         kept = bisect_left(data["positions"], read_upto)  # positions come in order
         if kept != wanted:
@@ -162,6 +166,8 @@ def captured_tensors(
                 f"tokens and {generated} generated; the intervention was not applied"
             )
         values = data["values"][:kept]
+        if site.endswith((".indices", ".values")):  # a step's top-k may be another request's k
+            values = values[:, : capture.topk]
         # an attention pattern's row is over the prompt (the workers pad rows to the widest)
         tensors[site] = values[..., :prompt_len] if is_pattern(site) else values
         positions[site] = data["positions"][:kept]

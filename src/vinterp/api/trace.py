@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vinterp.api.sae_sites import read_sae_site, write_sae_site
 from vinterp.api.values import Value
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
@@ -26,7 +27,7 @@ from vinterp.ir.ops import lookup
 from vinterp.ir.plan import Plan, PlanError, make_plan
 from vinterp.runtime.executor import TraceResult
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import PATTERN, UnknownSiteError, parse_site
+from vinterp.sites.names import PATTERN, SiteName, UnknownSiteError, parse_site, sae_site
 from vinterp.sites.params import param_shape, parse_param
 from vinterp.sites.raw import is_raw
 
@@ -41,6 +42,7 @@ class TraceHost(Protocol):
     pipeline_parallel_size: int
     asynchronous: bool
     backend: Any  # a Backend, or an AsyncBackend when `asynchronous`
+    saes: dict[str, Any]  # host site -> the `vinterp.SAE` attached there
 
     def tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]: ...
 
@@ -189,7 +191,21 @@ class Trace:
         ids = parsed.value == "experts"  # a router's expert ids
         return torch.empty(tokens, *row, dtype=torch.long if ids else None, device="meta")
 
+    def _attached_sae(self, site: str) -> SiteName | None:
+        """The parts of an SAE site (None for other sites); an SAE site without an SAE at its
+        host is recorded as an error."""
+        parsed = sae_site(site)
+        if parsed is not None and parsed.host not in self._llm.saes:
+            self._record_error(
+                f"{site}: no sparse autoencoder is attached at {parsed.host}; call "
+                f"llm.attach_sae({parsed.host!r}, vinterp.SAE.load(path)) before the trace"
+            )
+        return parsed
+
     def record_read(self, site: str) -> Value:
+        sae = self._attached_sae(site)
+        if sae is not None:
+            return read_sae_site(self, site, sae)
         invoke = self._current_invoke(f"reading {site}")
         node = self._add("read", site, [], {}, invoke)
         meta = self._site_meta(site, invoke)
@@ -197,6 +213,10 @@ class Trace:
         return Value(self, node, meta, site)
 
     def record_write(self, site: str, value: Any, index: Any = None) -> int:
+        """Record a write of `site`; the node that holds the site's new value."""
+        sae = self._attached_sae(site)
+        if sae is not None:
+            return write_sae_site(self, site, sae, value, index).node
         invoke = self._current_invoke(f"writing {site}")
         args = [encode_arg(value, self._to_ref)]
         if index is not None:
@@ -222,8 +242,11 @@ class Trace:
         return node
 
     def record_setitem(self, target: Value, index: Any, value: Any) -> None:
-        if target.site is not None and self.graph.nodes[target.node].kind in ("read", "write"):
-            target.node = self.record_write(target.site, value, index)
+        site_value = target.site is not None and (
+            self.graph.nodes[target.node].kind in ("read", "write") or sae_site(target.site)
+        )
+        if site_value:
+            target.node = self.record_write(target.site, value, index)  # type: ignore[arg-type]
         else:
             target.node = self.record_call("op.index_put", (target, index, value), {}).node
 
@@ -289,6 +312,12 @@ class Trace:
         if name == "model.lm_head":
             x = meta_args[0]
             return torch.empty(*x.shape[:-1], self._llm.config.vocab_size, device="meta")
+        if name in ("model.sae_encode", "model.sae_decode"):
+            sae = self._llm.saes.get(args[1])
+            if sae is None:
+                return None  # reported where the site was named
+            width = sae.d_sae if name == "model.sae_encode" else sae.d_in
+            return torch.empty(*meta_args[0].shape[:-1], width, device="meta")
         try:
             result = lookup(name)(*meta_args, **meta_kwargs)
         except (RuntimeError, IndexError, ValueError, TypeError) as exc:

@@ -22,6 +22,10 @@ class Recorder(Protocol):
 
     def record_setitem(self, target: Value, index: Any, value: Any) -> None: ...
 
+    def record_read(self, site: str) -> Value: ...
+
+    def record_write(self, site: str, value: Any, index: Any = None) -> int: ...
+
     def control_flow_error(self, what: str) -> TypeError: ...
 
 
@@ -56,6 +60,16 @@ class Value:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    @property
+    def sae(self) -> SaeSites:
+        """The sites of the sparse autoencoder attached at this value's site
+        (`llm.layers[i].output.sae.features`, `.sae.error`)."""
+        if self.site is None:
+            raise AttributeError(
+                "`.sae` follows a site of hidden-size rows: llm.layers[i].output.sae.features"
+            )
+        return SaeSites(self.recorder, self.site)
 
     def save(self) -> Value:
         """Keep this value: after the `with` block the name holds a CPU tensor."""
@@ -108,6 +122,27 @@ class Value:
     def __repr__(self) -> str:
         shape = tuple(self.meta.shape) if self.meta is not None else "?"
         return f"<vinterp.Value node {self.node} shape {shape}>"
+
+
+class SaeSites:
+    """`<site>.sae`: `.features` (T, d_sae) and `.error` (T, H) of the SAE attached at the
+    site, read and written like sites (`vinterp.api.sae_sites` says what a write does)."""
+
+    __slots__ = ("_recorder", "_host")
+
+    def __init__(self, recorder: Recorder, host: str) -> None:
+        object.__setattr__(self, "_recorder", recorder)
+        object.__setattr__(self, "_host", host)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("features", "error"):
+            raise AttributeError(f"{self._host}.sae has .features and .error, not {name!r}")
+        return self._recorder.record_read(f"{self._host}.sae.{name}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in ("features", "error"):
+            raise AttributeError(f"{self._host}.sae has .features and .error, not {name!r}")
+        self._recorder.record_write(f"{self._host}.sae.{name}", value)
 
 
 def _binary(op: str, reflected: bool = False) -> Any:

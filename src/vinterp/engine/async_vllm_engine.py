@@ -23,6 +23,7 @@ from vinterp.engine.vllm_engine import (
     engine_arguments,
     freeze_startup_heap,
     invoke_params,
+    raise_attach_errors,
     request_params,
     to_output,
     unapplied_error,
@@ -33,6 +34,7 @@ from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import TraceResult
+from vinterp.sae import SAE
 from vinterp.wire.graph import to_wire
 from vinterp.wire.specs import RequestSpecs, Steering
 
@@ -222,6 +224,11 @@ class AsyncVLLMEngine:
         wires = [s.to_wire() for s in steering]
         await self._on_loop(self.llm.collective_rpc("vinterp_set_steering", args=(wires,)))
         self._global_steering = bool(steering)
+
+    async def attach_sae(self, site: str, sae: SAE) -> None:
+        """Send the SAE to every worker once (as data: `SAE.to_wire`)."""
+        rpc = self.llm.collective_rpc("vinterp_attach_sae", args=(site, sae.to_wire()))
+        raise_attach_errors(await self._on_loop(rpc))
 
     async def register_steering(self, name: str, steering: Steering | None) -> None:
         wire = None if steering is None else steering.to_wire()

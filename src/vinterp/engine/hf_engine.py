@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 from vinterp.engine.backend import Captured, StreamRequest
 from vinterp.engine.hf_interventions import HFInterventions, HFRequest
 from vinterp.engine.outputs import Output
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult, TraceRun
+from vinterp.sae import SAE
 from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.hf_attention import install_head_sites
 from vinterp.sites.hf_hooks import install_hf_hooks
@@ -48,7 +50,8 @@ class HFEngine:
         self.stop_ids = self._eos_ids()
         self.sites = find_site_modules(self.model, self.model.config.model_type, site_paths)
         self._active: tuple[TraceRun, int, int] | None = None  # (run, invoke, step)
-        self.interventions = HFInterventions()
+        self.saes = SaeRegistry(self.model.device, self.model.dtype)
+        self.interventions = HFInterventions(self.saes)
         self.order = site_order(self.model.config)
         self.steps = 0
         install_hf_hooks(self.sites, self._at_site, self.order.router)
@@ -80,6 +83,7 @@ class HFEngine:
             "final_norm": unhooked(self.sites.final_norm),
             "lm_head": unhooked(self.sites.lm_head),
             "param": lambda name: hf_param(self.sites, name),
+            **self.saes.functions(),
         }
         run = TraceRun(graph, plan, functions)
         outputs: list[Output | None] = [None] * len(graph.invokes)
@@ -138,6 +142,9 @@ class HFEngine:
     def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]:
         taken = self.take_captures(capture_ids)
         return lambda: taken
+
+    def attach_sae(self, site: str, sae: SAE) -> None:
+        self.saes.attach(site, sae)
 
     def set_global_steering(self, steering: list[Steering]) -> None:
         self.interventions.global_steering = list(steering)

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.sites.attention_pattern import Pattern
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, sae_site
 from vinterp.wire.specs import RequestSpecs, Steering
 
 
@@ -50,6 +51,7 @@ class HFRequest:
     capture_sites: frozenset[str] = frozenset()
     capture_positions: str | list[int] = "last_prompt"
     capture_heads: list[int] | None = None  # of the attention patterns it captures
+    capture_topk: int | None = None  # of the SAE feature sites it captures
     first_position: int = 0  # of the tokens the current forward step computes
 
 
@@ -57,6 +59,7 @@ class HFRequest:
 class HFInterventions:
     """The HF engine's global and named steerings, and captured rows until they are taken."""
 
+    saes: SaeRegistry
     global_steering: list[Steering] = field(default_factory=list)
     named: dict[str, Steering] = field(default_factory=dict)
     current: HFRequest | None = None  # the request whose step is running
@@ -76,6 +79,7 @@ class HFInterventions:
             )
             request.capture_positions = specs.capture.positions
             request.capture_heads = specs.capture.heads
+            request.capture_topk = specs.capture.topk
         return request
 
     def at_site(self, site: str, value: torch.Tensor) -> torch.Tensor | None:
@@ -94,7 +98,28 @@ class HFInterventions:
             for t, position in enumerate(positions):
                 if captures(request.capture_positions, position, request.prompt_len):
                     rows[position] = seen[t].detach().clone()
+        for sae_at in request.capture_sites:
+            parsed = sae_site(sae_at)
+            if parsed is not None and parsed.host == site and parsed.host in self.saes.saes:
+                self._capture_sae(request, sae_at, value if steered is None else steered, positions)
         return steered
+
+    def _capture_sae(
+        self, request: HFRequest, site: str, seen: torch.Tensor, positions: range
+    ) -> None:
+        """Record what a capture of an SAE site keeps of its host's captured rows."""
+        picked = [
+            t
+            for t, p in enumerate(positions)
+            if captures(request.capture_positions, p, request.prompt_len)
+        ]
+        if not picked:
+            return
+        derived = self.saes.captured(site, seen[picked].detach(), request.capture_topk)
+        for name, values in derived.items():
+            rows = self._captured[request.capture_id][name]  # type: ignore[index]
+            for row, t in zip(values, picked):
+                rows[positions[t]] = row.clone()
 
     def at_pattern(self, site: str, pattern: Pattern) -> None:
         """Record the last prompt token's row of an attention pattern the current request

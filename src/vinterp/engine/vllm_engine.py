@@ -39,6 +39,7 @@ from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
+from vinterp.sae import SAE
 from vinterp.sites.modules import site_order
 from vinterp.wire.graph import to_wire
 from vinterp.wire.saved_values import decode_saved
@@ -289,6 +290,12 @@ class VLLMEngine:
         self._global_steering = bool(steering)
         self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in steering],))
 
+    def attach_sae(self, site: str, sae: SAE) -> None:
+        """Send the SAE to every worker once (as data: `SAE.to_wire`)."""
+        raise_attach_errors(
+            self.llm.collective_rpc("vinterp_attach_sae", args=(site, sae.to_wire()))
+        )
+
     def register_steering(self, name: str, steering: Steering | None) -> None:
         wire = None if steering is None else steering.to_wire()
         self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
@@ -353,6 +360,13 @@ def request_params(sampling: dict[str, Any], specs: RequestSpecs | None) -> Any:
 def invoke_params(graph: Graph, invoke: int, trace_id: str) -> Any:
     """vLLM's sampling parameters for one invoke of a trace (the workers find it by them)."""
     return request_params(graph.invokes[invoke].sampling, RequestSpecs(trace=(trace_id, invoke)))
+
+
+def raise_attach_errors(per_worker: list[str | None]) -> None:
+    """The first worker's refusal of an SAE, as a ValueError."""
+    error = next((e for e in per_worker if e), None)
+    if error is not None:
+        raise ValueError(error)
 
 
 def unapplied_error(per_worker: list[list[str]]) -> InterventionError | None:

@@ -114,6 +114,9 @@ class VinterpWorkerExtension:
     def vinterp_collect(self, trace_id: str) -> dict[str, Any]:
         return self._vinterp.collect(trace_id)
 
+    def vinterp_attach_sae(self, site: str, wire: dict[str, Any]) -> str | None:
+        return self._vinterp.attach_sae(site, wire)
+
     def vinterp_forget(self, trace_id: str) -> None:
         self._vinterp.forget(trace_id)
 

@@ -107,6 +107,7 @@ class WorkerCapture:
     positions: str | frozenset[int]
     patterns: tuple[str, ...] = ()
     heads: tuple[int, ...] | None = None
+    topk: int | None = None  # of the SAE feature sites it names
 
     @classmethod
     def of(cls, capture_id: str, capture: Capture, order: SiteOrder) -> WorkerCapture:
@@ -121,6 +122,7 @@ class WorkerCapture:
             positions if isinstance(positions, str) else frozenset(positions),
             tuple(filter(is_pattern, sites)),
             None if capture.heads is None else tuple(capture.heads),
+            capture.topk,
         )
 
     def count(self, first: int, end: int, prompt_len: int) -> int:

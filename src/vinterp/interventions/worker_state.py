@@ -15,6 +15,7 @@ import torch
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.capture_files import FileWriter
 from vinterp.interventions.capture_store import CaptureStore
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import (
     WorkerCapture,
     WorkerRequest,
@@ -23,19 +24,23 @@ from vinterp.interventions.specs import (
     worker_steering,
 )
 from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, sae_site
 from vinterp.wire.specs import Steering
 
 
 class WorkerInterventions:
-    def __init__(self, captures_here: bool, order: SiteOrder, hidden_size: int) -> None:
-        self.order, self.hidden_size = order, hidden_size
+    def __init__(
+        self, captures_here: bool, order: SiteOrder, hidden_size: int, saes: SaeRegistry
+    ) -> None:
+        self.order, self.hidden_size, self.saes = order, hidden_size, saes
         self.captures_here = captures_here  # TP: one rank records, the others skip the copies
         self.global_steering: list[WorkerSteering] = []
         self.named: dict[str, WorkerSteering] = {}
         self.store = CaptureStore()
         self.files = FileWriter()
         self.capture_tables: dict[str, SiteCapture] = {}
+        # this step's captured SAE sites at each host, with the most features one keeps
+        self.sae_captures: dict[str, list[tuple[str, int | None]]] = {}
         self.version = 0  # changes with global or named steering: requests' specs are cached
 
     def set_global(self, wires: list[dict[str, Any]]) -> None:
@@ -65,11 +70,31 @@ class WorkerInterventions:
 
     def begin_capture_step(self, requests: list[tuple[RowSpan, WorkerCapture]]) -> None:
         self.capture_tables = build_capture_tables(requests) if self.captures_here else {}
+        self.sae_captures = {}
+        topk: dict[str, int | None] = {}
+        for _, capture in requests:
+            for site in capture.sites:
+                if site in self.capture_tables and sae_site(site) is not None:
+                    k = topk.get(site, capture.topk)
+                    topk[site] = None if k is None or capture.topk is None else max(k, capture.topk)
+        for site, k in topk.items():
+            host = sae_site(site).host  # type: ignore[union-attr]
+            if host in self.saes.saes:  # else its rows are missing: the front end says so
+                self.sae_captures.setdefault(host, []).append((site, k))
+
+    def records_at(self, site: str) -> bool:
+        """Whether this step captures rows at `site` (or at an SAE site computed from it)."""
+        return site in self.capture_tables or site in self.sae_captures
 
     def record(self, site: str, value: torch.Tensor) -> None:
         capture = self.capture_tables.get(site)
         if capture is not None:
             self.store.record_site(site, capture, value)
+        for sae_at, topk in self.sae_captures.get(site, ()):  # only the captured rows encoded
+            capture = self.capture_tables[sae_at]
+            rows = value.detach().index_select(0, capture.rows_on(value.device))
+            for name, derived in self.saes.captured(sae_at, rows, topk).items():
+                self.store.add_gathered(name, capture, derived)
 
     def keep_row(self, site: str, capture_id: str, position: int, row: torch.Tensor) -> None:
         """Keep one captured row computed apart from the step's tables (an attention pattern's)."""

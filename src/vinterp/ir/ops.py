@@ -201,8 +201,11 @@ TENSOR_METHODS = (
     "zero_",
 )
 
-# Applied with the served model's own modules (see runtime.executor.ModelFunctions).
-MODEL_FUNCTIONS = ("final_norm", "lm_head", "param")
+# Applied with the served model's own modules (see runtime.executor.ModelFunctions), and
+# the sparse autoencoders attached at its sites: sae_encode(x, host site name),
+# sae_decode(features, host site name, x).
+MODEL_FUNCTIONS = ("final_norm", "lm_head", "param", "sae_encode", "sae_decode")
+SAE_FUNCTIONS = ("model.sae_encode", "model.sae_decode")
 
 
 def _registry() -> dict[str, Callable[..., Any]]:

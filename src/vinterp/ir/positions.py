@@ -157,8 +157,16 @@ def _rule(node: Node, args: list[Dependence], pairs: set[int]) -> Dependence:
     """The rows an operation keeps, or None where no rule applies (UpTo its inputs)."""
     target = node.target
     first = args[0] if args else None
-    if target.startswith("model.") and target != "model.param":
-        return first if isinstance(first, Rows) and all(a is None for a in args[1:]) else None
+    if target.startswith("model.") and target != "model.param":  # per row (sae_decode: and x's)
+        return (
+            first if isinstance(first, Rows) and all(a in (None, first) for a in args[1:]) else None
+        )
+    if target == "op.index_put":  # `x[index] = value` over whole rows keeps x's rows
+        whole = node.args[1] if len(node.args) > 1 else None
+        if isinstance(whole, dict) and "items" in whole:
+            whole = whole["items"][0] if whole["items"] else None
+        keeps = whole == {"ellipsis": True} or whole == {"slice": [None, None, None]}
+        return first if keeps and isinstance(first, Rows) and args[2] in (None, first) else None
     if target == "op.getitem":
         if node.args and _is_ref(node.args[0]) and node.args[0]["ref"] in pairs:
             return first  # an item of a (values, indices) pair: the pair's rows

@@ -23,6 +23,7 @@ import torch
 
 from vinterp.interventions.applied import AppliedCheck
 from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import SteeringPlanner
 from vinterp.interventions.tables import RowSpan
@@ -46,7 +47,7 @@ from vinterp.runtime.tensor_parallel import ParallelLayout, TensorParallel, VLLM
 from vinterp.runtime.trace_dispatch import TraceDispatch
 from vinterp.sites.attention_pattern import PatternMath
 from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site
+from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site, sae_site
 from vinterp.wire.json_form import payload_from_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 
@@ -76,6 +77,8 @@ class WorkerRuntime:
             ),
             "param": VLLMParams(model, modules, self.tp).read,
         }
+        self.saes = SaeRegistry(steer.add.device, steer.add.dtype)
+        functions.update(self.saes.functions())
         # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
         sharded = parallel.tp_size > 1
         self.sharded = order.ids_of((*HEAD_SITES, PATTERN)) if sharded else frozenset()
@@ -87,7 +90,9 @@ class WorkerRuntime:
         self.keys = KeyStore()
         self.pattern_captures: dict[str, list[RequestCapture]] = {}
         self.capture_buffers = capture
-        self.interventions = WorkerInterventions(ships_results, order, steer.add.shape[1])
+        self.interventions = WorkerInterventions(
+            ships_results, order, steer.add.shape[1], self.saes
+        )
         self.steering = SteeringPlanner(steer, order)
         self.tracker = RequestTracker(self._describe)
         self.router = StepRouter(
@@ -104,6 +109,14 @@ class WorkerRuntime:
         if error is None:
             self.pipeline.add_trace(trace_id, self.traces.traces[trace_id])
         return error
+
+    def attach_sae(self, site: str, wire: dict[str, Any]) -> str | None:
+        """Attach an SAE sent as data; an error message (the engine stays up)."""
+        try:
+            self.saes.attach_wire(site, wire)
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"the SAE for {site} could not be attached: {exc}"
+        return None
 
     def forget(self, trace_id: str) -> None:
         """Drop a trace, its hooks and kept keys (after collection, or when it could not
@@ -158,7 +171,7 @@ class WorkerRuntime:
         if capture is not None and self.capture_buffers is not None:
             chosen = self.capture_buffers.chosen
             req.captures_in_buffers = not capture.patterns and all(
-                self.order[s] in chosen for s in capture.sites
+                self.order[s] in chosen and sae_site(s) is None for s in capture.sites
             )
         return req
 
@@ -253,7 +266,7 @@ class WorkerRuntime:
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
-        if site in self.interventions.capture_tables:
+        if self.interventions.records_at(site):
             self.interventions.record(site, hidden + residual)
         return self.traces.at_stream(site, hidden, residual)
 

@@ -24,12 +24,18 @@ LAYER_SITES = ("input", "attn.input", "attn.output", "mlp.input", "mlp.output", 
 STEERABLE = ("input", "output", "attn.output", "mlp.output")  # parts of a layer
 READ_ONLY_PARTS = ("mlp.router.experts", PATTERN)  # parts a trace reads but never writes
 RAW_PREFIX = "raw."
+# A sparse autoencoder attached at a layer site of hidden-size rows (`llm.attach_sae`) adds
+# two sites after it: `<host>.sae.features` (T, d_sae) and `<host>.sae.error` (T, H), the
+# reconstruction error; they are computed from the host's value (`interventions.sae_registry`).
+SAE_HOSTS = LAYER_SITES
+SAE_PARTS = ("features", "error")
 # Layer indices are written as SiteOrder writes them (no leading zeros, ASCII digits), so a
 # name that parses is one SiteOrder knows (or out of range).
 _SITE_RE = re.compile(
     r"layers\.(?P<layer>0|[1-9][0-9]*|\*)\."
     r"(?P<part>(?:(?:attn|mlp)\.)?(?:input|output)|mlp\.router\.(?:output|experts)"
     r"|attn\.(?:q|k|v|heads|pattern))"
+    r"(?:\.sae\.(?P<sae>features|error))?"
     r"|(?P<module>embed|final_norm)\.output"
     r"|(?P<top>logits|samples)"
 )
@@ -38,7 +44,9 @@ SITES_HELP = (
     "sites are embed.output, layers.{i}.input|output, layers.{i}.attn.input|output, "
     "layers.{i}.mlp.input|output, final_norm.output, logits, samples; per attention head "
     "layers.{i}.attn.q|k|v|heads|pattern; on mixture-of-experts models also "
-    "layers.{i}.mlp.router.output|experts"
+    "layers.{i}.mlp.router.output|experts; with a sparse autoencoder attached at one of "
+    "layers.{i}.input|output|attn.input|attn.output|mlp.input|mlp.output, that site "
+    "followed by .sae.features|.sae.error"
 )
 
 
@@ -57,18 +65,29 @@ class SiteName:
     `layers.3.output`: module "" (the block itself); `layers.3.mlp.router.experts`: module
     "mlp.router", value "experts"; `embed.output`: kind "model", module
     "embed"; `logits`: kind "model", module "", value "logits"; `raw.model.norm.output`:
-    kind "raw", module "model.norm" (the engine's module path).
+    kind "raw", module "model.norm" (the engine's module path);
+    `layers.3.output.sae.features`: as `layers.3.output` with sae "features".
     """
 
     kind: Literal["layer", "model", "raw"]
     module: str
     value: str  # "input", "output", "experts", "q", "k", "v", "pattern", "heads"; "logits", …
     layer: int | None = None  # None outside the layers and for `layers.*` in a pattern
+    sae: str = ""  # "features" or "error" at a sparse autoencoder's site, else ""
 
     @property
     def part(self) -> str:
-        """The name after `layers.{i}.` (`attn.output`), or the whole name of a model site."""
-        return f"{self.module}.{self.value}" if self.module else self.value
+        """The name after `layers.{i}.` (`attn.output`, `output.sae.features`), or the whole
+        name of a model site."""
+        part = f"{self.module}.{self.value}" if self.module else self.value
+        return f"{part}.sae.{self.sae}" if self.sae else part
+
+    @property
+    def host(self) -> str:
+        """The name of the site an SAE site is computed from (`layers.3.output`); `*` for a
+        glob's layer."""
+        layer = "*" if self.layer is None else self.layer
+        return f"layers.{layer}.{self.module + '.' if self.module else ''}{self.value}"
 
 
 def parse_site(name: str, pattern: bool = False) -> SiteName:
@@ -87,7 +106,12 @@ def parse_site(name: str, pattern: bool = False) -> SiteName:
     if match["part"]:
         layer = None if match["layer"] == "*" else int(match["layer"])
         module, _, value = match["part"].rpartition(".")
-        return SiteName("layer", module, value, layer)
+        if match["sae"] and match["part"] not in SAE_HOSTS:
+            raise UnknownSiteError(
+                f"site {name!r}: a sparse autoencoder's sites follow a site of hidden-size "
+                f"rows: layers.{{i}}.{'|'.join(SAE_HOSTS)}"
+            )
+        return SiteName("layer", module, value, layer, match["sae"] or "")
     if match["module"]:
         return SiteName("model", match["module"], "output")
     return SiteName("model", "", match["top"])
@@ -106,6 +130,16 @@ def is_read_only(site: str) -> bool:
     """Whether a trace may only read this site (a router's expert ids follow from its logits)."""
     parsed = parse_site(site, pattern=True)
     return parsed.kind == "layer" and parsed.part in READ_ONLY_PARTS
+
+
+def sae_site(site: str) -> SiteName | None:
+    """The parts of an SAE site (`layers.3.output.sae.features`, a glob too); None for any
+    other name, valid or not."""
+    try:
+        parsed = parse_site(site, pattern=True)
+    except UnknownSiteError:
+        return None
+    return parsed if parsed.sae else None
 
 
 def is_pattern(site: str) -> bool:
@@ -171,16 +205,25 @@ class SiteOrder:
         self._expanded: dict[str, tuple[str, ...]] = {}  # valid globs only: a few per model
 
     def __getitem__(self, site: str) -> int:
+        """A site's forward position; an SAE site has its host's (it is computed there)."""
         if site in self.position:
             return self.position[site]
-        if parse_site(site).kind == "raw":  # raises for a malformed name
+        parsed = parse_site(site)  # raises for a malformed name
+        if parsed.kind == "raw":
             return RAW_POSITION
+        if parsed.sae and parsed.host in self.position:
+            return self.position[parsed.host]
         raise UnknownSiteError(describe_unknown(site, self))
 
     def expand(self, pattern: str) -> list[str]:
-        """Sites matching a name or a glob over layer indices (`layers.*.output`), in order."""
+        """Sites matching a name or a glob over layer indices (`layers.*.output`), in order;
+        an SAE site's glob expands over its host's (whether an SAE is attached there is the
+        front end's and the workers' to check)."""
         if pattern in self.position:  # a request's sites arrive expanded: no regex per site
             return [pattern]
+        sae = sae_site(pattern)
+        if sae is not None:
+            return [f"{host}.sae.{sae.sae}" for host in self.expand(sae.host)]
         if pattern not in self._expanded:  # every request of a batch names the same glob
             regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
             found = tuple(s for s in self.sites if regex.match(s))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from vinterp.ir.graph import NODE_KINDS, STEP_ZERO, Block, Graph, Invoke, Node
-from vinterp.ir.ops import ALL_OPS
-from vinterp.sites.names import SiteOrder, UnknownSiteError
+from vinterp.ir.ops import ALL_OPS, SAE_FUNCTIONS
+from vinterp.sites.names import SAE_HOSTS, SiteOrder, UnknownSiteError, parse_site
 from vinterp.sites.params import parse_param
 from vinterp.wire.errors import WireError, short
 from vinterp.wire.tensors import DTYPES, is_int, tensor_from_wire, tensor_to_wire
@@ -108,6 +108,22 @@ def _check_target(kind: str, target: str, args: list[Any], node_id: int, sites: 
     try:
         if kind in ("read", "write"):
             sites[target]
+            if parse_site(target).sae:
+                raise WireError(
+                    f"node {node_id}: {target} is computed from its host site: read the host "
+                    "and call model.sae_encode / model.sae_decode (what vinterp's trace records)"
+                )
+        elif kind == "call" and target in SAE_FUNCTIONS:
+            arity = 2 if target == "model.sae_encode" else 3
+            if len(args) != arity or not isinstance(args[1], str):
+                form = "value, host site name" + (", host value" if arity == 3 else "")
+                raise WireError(f"node {node_id}: {target} takes [{form}]")
+            sites[args[1]]
+            if parse_site(args[1]).part not in SAE_HOSTS:
+                raise WireError(
+                    f"node {node_id}: {args[1]} cannot hold a sparse autoencoder; hosts are "
+                    f"layers.{{i}}.{'|'.join(SAE_HOSTS)}"
+                )
         elif kind == "call" and target == "model.param":
             if len(args) != 1 or not isinstance(args[0], str):
                 raise WireError(f"node {node_id}: model.param takes one parameter name")

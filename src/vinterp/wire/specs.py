@@ -124,6 +124,7 @@ class Capture(BaseModel):
     sink: Literal["memory", "filesystem", "logging"] = "memory"
     path: str | None = None
     heads: list[int] | None = None  # the heads of attn.pattern sites to capture (None: all)
+    topk: int | None = None  # SAE feature sites: the k largest features, indices and values
 
     def __init__(self, sites: list[str] | str, **kwargs: Any) -> None:
         if isinstance(kwargs.get("path"), os.PathLike):  # a pathlib.Path is welcome too
@@ -142,7 +143,7 @@ class Capture(BaseModel):
                     "final_norm.output or "
                     "layers.{i|*}.input|output|attn.input|attn.output|mlp.input|mlp.output"
                     "|attn.q|attn.k|attn.v|attn.heads|attn.pattern|mlp.router.output"
-                    "|mlp.router.experts"
+                    "|mlp.router.experts, or such a site followed by .sae.features|.sae.error"
                 )
         return value
 
@@ -152,6 +153,18 @@ class Capture(BaseModel):
         if isinstance(value, list) and any(p < 0 for p in value):
             raise ValueError("positions: token positions are >= 0")
         return value
+
+    @model_validator(mode="after")
+    def _topk(self) -> Capture:
+        if self.topk is not None:
+            if self.topk < 1:
+                raise ValueError("topk: the number of features kept per token, >= 1")
+            if not any(is_sae_features(s) for s in self.sites):
+                raise ValueError(
+                    "topk: keeps the largest features of SAE sites; name one in sites, e.g. "
+                    "'layers.10.output.sae.features'"
+                )
+        return self
 
     @model_validator(mode="after")
     def _sink_path(self) -> Capture:
@@ -183,6 +196,17 @@ class Capture(BaseModel):
         """The inverse of `to_json`, for data from anyone: raises only WireError."""
         _check_fields(obj, "capture", cls.model_fields)
         return _validated(cls, "capture", obj)
+
+
+def is_sae_features(site: str) -> bool:
+    """Whether a site name (or glob) names an SAE's features."""
+    return site.endswith(".sae.features")
+
+
+def stored_sites(site: str, topk: int | None) -> list[str]:
+    """The names a captured site's rows come back under: `<site>.indices` and
+    `<site>.values` for the top-k features of an SAE, else the site itself."""
+    return [f"{site}.indices", f"{site}.values"] if topk and is_sae_features(site) else [site]
 
 
 # -- positions a capture selects (one definition, used by the workers and the front ends) ---
