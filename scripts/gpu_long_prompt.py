@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=None, help="a fixed KV cache (beside another engine)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
@@ -71,6 +74,8 @@ def main() -> None:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.gpu_memory_utilization:
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_gb:
+        settings["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 2**30)
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(model).vocab_size)

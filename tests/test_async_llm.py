@@ -160,9 +160,10 @@ def test_sync_and_async_traces_are_not_mixed_up(allm, hf) -> None:
         asyncio.run(on_sync_model())
 
 
-def test_a_trace_of_more_prompt_tokens_than_one_step_computes_every_prompt_whole(allm) -> None:
-    """256 invokes hold more prompt tokens than a step's budget (2048 here): the trace runs
-    them in parts that fit, so no prompt is split; each save equals the fast path's capture."""
+def test_a_trace_of_more_prompt_tokens_than_one_step_computes_every_prompt(allm) -> None:
+    """256 invokes hold more prompt tokens than a step's budget (2048 here), all in flight at
+    once, so the scheduler splits some prompts over steps; each save equals the fast path's
+    capture."""
     prompts = [f"Fact number {i}: the capital of France is" for i in range(256)]
     budget = allm.backend.llm.vllm_config.scheduler_config.max_num_batched_tokens
     assert sum(len(allm.tokenizer(p).input_ids) for p in prompts) > budget

@@ -12,8 +12,9 @@ from vinterp.bench.load_mix import ERROR, INTERVENED, KINDS, LEAKED, LOST, OK, W
 
 # The first share of a phase's requests is warm-up: memory grows from the one after it.
 WARM_UP_SHARE = 0.1
-# The share of the span after warm-up whose samples give the memory at its start and end
-# (medians, so that one sample caught mid-step does not decide).
+# The share of the span after warm-up whose samples give the memory at its start and end: the
+# lowest of each, the floor memory falls back to between requests. A leak raises the floor; a
+# long prompt in flight (its step's activations) lifts only the samples taken meanwhile.
 WINDOW_SHARE = 0.1
 MAX_GROWTH = 0.02  # server memory after warm-up to the end
 VERDICTS = (WRONG, LEAKED, LOST, ERROR)
@@ -80,9 +81,9 @@ def memory_growth(phase: Phase) -> dict[str, Any]:
     t_warm, t_end = after[0][0], after[-1][0]
     window = WINDOW_SHARE * (t_end - t_warm)
 
-    def median(index: int, lo: float, hi: float) -> float | None:
+    def floor(index: int, lo: float, hi: float) -> float | None:
         values = [s[index] for s in after if lo <= s[0] <= hi and s[index] is not None]
-        return statistics.median(values) if values else None
+        return min(values) if values else None
 
     out: dict[str, Any] = {
         "warm_up_requests": warm,
@@ -95,7 +96,7 @@ def memory_growth(phase: Phase) -> dict[str, Any]:
         ],
     }
     for name, index in (("rss", 2), ("gpu", 3)):
-        start, end = median(index, t_warm, t_warm + window), median(index, t_end - window, t_end)
+        start, end = floor(index, t_warm, t_warm + window), floor(index, t_end - window, t_end)
         if start and end:
             out[f"{name}_mib_after_warm_up"] = start / MIB
             out[f"{name}_mib_end"] = end / MIB
