@@ -39,7 +39,10 @@ def test_memory_grows_from_the_end_of_warm_up_and_leaks_fail() -> None:
     warming = [1000.0 + 50 * t for t in range(10)]  # the first 10% of requests: not counted
     flat = summary(_phase(warming + [1500.0] * 90), {"captures": 0}, [], {}, 0)
     assert flat["memory"]["rss_growth"] == 0.0 and flat["failures"] == []
-    assert flat["memory"]["intervened_after_warm_up"] == 91
+    assert flat["memory"]["intervened_after_warm_up"] == 90
+    # long prompts in flight at the end lift most samples by 5%; memory falls back to its floor
+    spiky = [1500.0] * 70 + [1500.0 * (1.05 if t % 3 else 1.0) for t in range(20)]
+    assert summary(_phase(warming + spiky), {"captures": 0}, [], {}, 0)["failures"] == []
     leaking = summary(_phase(warming + [1500.0 + t for t in range(90)]), None, [], {}, 0)
     assert leaking["memory"]["rss_growth"] > 0.05
     assert any("RSS growth" in f for f in leaking["failures"])

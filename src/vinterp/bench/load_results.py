@@ -75,7 +75,7 @@ def memory_growth(phase: Phase) -> dict[str, Any]:
     the end of the phase, and the requests with steering, a capture or a trace after
     warm-up."""
     warm = math.ceil(WARM_UP_SHARE * len(phase.results))
-    after = [s for s in phase.samples if s[1] >= warm]
+    after = [s for s in phase.samples if s[1] > warm]  # once a request after warm-up began
     if len(after) < 2:
         return {"samples": len(phase.samples)}
     t_warm, t_end = after[0][0], after[-1][0]
