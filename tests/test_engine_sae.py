@@ -197,20 +197,17 @@ def test_clamp_and_add_equal_the_hf_backend_and_leave_plain_requests_alone(
         vinterp.Request(STEER_PROMPTS[1], steering=[clamp, add], capture=cap),
         vinterp.Request(STEER_PROMPTS[1], capture=cap),
     ]
-    outs = model.generate(batch, max_tokens=6, temperature=0.0, ignore_eos=True)
-    plain = model.generate(STEER_PROMPTS, max_tokens=6, temperature=0.0, ignore_eos=True)
+    sampling = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    outs = model.generate(batch, **sampling)
+    # the same batch unsteered: the same shapes in every step, so the same kernels
+    plain = model.generate([vinterp.Request(r.prompt, capture=cap) for r in batch], **sampling)
     assert outs[0].token_ids != plain[0].token_ids  # the clamp steers
-    assert outs[1].token_ids != outs[0].token_ids
-    assert outs[2].token_ids == plain[1].token_ids  # unsteered in the same batch
-    alone = model.generate(
-        vinterp.Request(STEER_PROMPTS[1], capture=cap),
-        max_tokens=6,
-        temperature=0.0,
-        ignore_eos=True,
-    )[0]
-    assert torch.equal(outs[2].captures["layers.12.output"], alone.captures["layers.12.output"])
+    clamp_only = model.generate(vinterp.Request(STEER_PROMPTS[1], steering=clamp), **sampling)
+    assert outs[1].token_ids != clamp_only[0].token_ids  # the add steers too
+    assert outs[2].token_ids == plain[2].token_ids  # unsteered in the same batch
+    assert torch.equal(outs[2].captures["layers.12.output"], plain[2].captures["layers.12.output"])
     if backend == "vllm":
-        want = hf.generate(batch, max_tokens=6, temperature=0.0, ignore_eos=True)
+        want = hf.generate(batch, **sampling)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         for got, ref in zip(outs, want):
             torch.testing.assert_close(
