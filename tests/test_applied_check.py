@@ -12,6 +12,7 @@ import torch
 
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import CaptureBuffers
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
@@ -58,7 +59,7 @@ def random_step(rng: random.Random) -> tuple[list[SteeredRequest], list[tuple[st
 def test_the_compiled_ops_count_exactly_the_rows_they_change() -> None:
     counters = AppliedCounters(len(ORDER.sites), "cpu")
     steer = SteerBuffers(len(ORDER.sites), H, PADDED, 16, 64, torch.float32, "cpu", counters)
-    state = SteeringPlanner(steer, ORDER)
+    state = SteeringPlanner(steer, ORDER, SaeRegistry("cpu", torch.float32))
     check = AppliedCheck(counters, frozenset(range(len(ORDER.sites))), ORDER)
     compiles = []
 
@@ -102,7 +103,7 @@ def test_a_site_that_did_not_run_is_reported() -> None:
     capture = CaptureBuffers(
         len(ORDER.sites), frozenset({site, missing}), held, 4, H, torch.float32, "cpu", counters
     )
-    state = SteeringPlanner(steer, ORDER)
+    state = SteeringPlanner(steer, ORDER, SaeRegistry("cpu", torch.float32))
     check = AppliedCheck(counters, frozenset(held), ORDER)
     spec = worker_spec(
         {ORDER.sites[site]: torch.ones(H), ORDER.sites[missing]: torch.ones(H)},

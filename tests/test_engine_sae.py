@@ -163,3 +163,157 @@ def test_capture_of_sae_sites_is_checked_before_anything_runs(llm) -> None:
         llm.generate(PROMPTS[0], capture=vinterp.Capture(FEATURES, topk=5000))
     with pytest.raises(ValueError, match="topk: keeps the largest features of SAE sites"):
         vinterp.Capture(SITE, topk=3)
+
+
+# -- steering in the feature basis ------------------------------------------------------------
+
+STEER_PROMPTS = PROMPTS[:2]
+
+
+def _features(model, prompt):
+    """The prompt's features at the host (unsteered) and its last token's most and least
+    active ones."""
+    with model.trace(prompt, max_tokens=1):
+        f = model.layers[10].output.sae.features.save()
+    return f, int(f[-1].argmax()), int(f[-1].argmin())
+
+
+def _clamp_and_add(llm):
+    _, active, silent = _features(llm, STEER_PROMPTS[0])
+    clamp = vinterp.Steering({FEATURES: {active: 0.0, silent: 300.0}}, mode="clamp")
+    add = vinterp.Steering({FEATURES: {7: 300.0}}, mode="add", phase="decode", scale=0.5)
+    return clamp, add
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_clamp_and_add_equal_the_hf_backend_and_leave_plain_requests_alone(
+    llm, hf, backend
+) -> None:
+    clamp, add = _clamp_and_add(llm)
+    model = llm if backend == "vllm" else hf
+    cap = vinterp.Capture(["layers.12.output"], positions="all")
+    batch = [
+        vinterp.Request(STEER_PROMPTS[0], steering=clamp, capture=cap),
+        vinterp.Request(STEER_PROMPTS[1], steering=[clamp, add], capture=cap),
+        vinterp.Request(STEER_PROMPTS[1], capture=cap),
+    ]
+    sampling = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    outs = model.generate(batch, **sampling)
+    # the same batch unsteered: the same shapes in every step, so the same kernels
+    plain = model.generate([vinterp.Request(r.prompt, capture=cap) for r in batch], **sampling)
+    assert outs[0].token_ids != plain[0].token_ids  # the clamp steers
+    clamp_only = model.generate(vinterp.Request(STEER_PROMPTS[1], steering=clamp), **sampling)
+    assert outs[1].token_ids != clamp_only[0].token_ids  # the add steers too
+    assert outs[2].token_ids == plain[2].token_ids  # unsteered in the same batch
+    assert torch.equal(outs[2].captures["layers.12.output"], plain[2].captures["layers.12.output"])
+    if backend == "vllm":
+        want = hf.generate(batch, **sampling)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        for got, ref in zip(outs, want):
+            torch.testing.assert_close(
+                got.captures["layers.12.output"],
+                ref.captures["layers.12.output"],
+                rtol=1e-4,
+                atol=1e-4,
+            )
+
+
+def test_a_clamp_equals_the_trace_write_of_the_features(llm, sae) -> None:
+    """Clamping sets the feature in the SAE's basis as a write of the features site does:
+    x + decode(f') - decode(f) at every steered position (what the trace computes with the
+    SAE's own encode/decode), compiled into the model."""
+    f, active, silent = _features(llm, STEER_PROMPTS[0])
+    steps = llm.step_stats()
+    clamp = vinterp.Steering({FEATURES: {active: 0.0, silent: 300.0}}, mode="clamp")
+    cap = vinterp.Capture([SITE, "layers.11.output"], positions="all_prompt")
+    out = llm.generate(STEER_PROMPTS[0], max_tokens=1, steering=clamp, capture=cap)[0]
+    with llm.trace(STEER_PROMPTS[0], max_tokens=1):
+        features = llm.layers[10].output.sae.features
+        features[:, active] = 0.0
+        features[:, silent] = 300.0
+        written = llm.layers[10].output.save()
+        later = llm.layers[11].output.save()
+    torch.testing.assert_close(out.captures[SITE], written, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.captures["layers.11.output"], later, rtol=1e-4, atol=1e-4)
+    # and by hand: the change is (v - f_j) W_dec[j] for each clamped feature
+    with llm.trace(STEER_PROMPTS[0], max_tokens=1):
+        x = llm.layers[10].output.save()
+    change = (0.0 - f[:, active])[:, None] * sae.W_dec[active]
+    change += (300.0 - f[:, silent])[:, None] * sae.W_dec[silent]
+    torch.testing.assert_close(out.captures[SITE], x + change, rtol=1e-5, atol=1e-4)
+    assert llm.step_stats()["steps"] > steps["steps"]
+
+
+def test_global_and_named_feature_steering(llm) -> None:
+    clamp, _ = _clamp_and_add(llm)
+    sampling = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    own = llm.generate(STEER_PROMPTS, steering=clamp, **sampling)
+    plain = llm.generate(STEER_PROMPTS, **sampling)
+    llm.steering.register("clamped", clamp)
+    try:
+        assert [
+            o.token_ids for o in llm.generate(STEER_PROMPTS, steering="clamped", **sampling)
+        ] == [o.token_ids for o in own]
+        llm.steering.set(clamp)
+        assert [o.token_ids for o in llm.generate(STEER_PROMPTS, **sampling)] == [
+            o.token_ids for o in own
+        ]
+    finally:
+        llm.steering.clear()
+        llm.steering.unregister("clamped")
+    assert [o.token_ids for o in llm.generate(STEER_PROMPTS, **sampling)] == [
+        o.token_ids for o in plain
+    ]
+
+
+def test_features_beyond_the_tables_run_uncompiled_with_the_same_result(llm) -> None:
+    """Two requests clamping 20 features each: 40 in one step exceed the 32 columns the
+    compiled tables hold, so that step runs uncompiled, and gives what each gives alone."""
+    specs = [
+        vinterp.Steering({FEATURES: {j: 3.0 for j in range(start, start + 20)}}, mode="clamp")
+        for start in (0, 100)
+    ]
+    cap = vinterp.Capture(["layers.11.output"], positions="last_prompt")
+    sampling = {"max_tokens": 1, "temperature": 0.0}
+    alone = []
+    for prompt, spec in zip(STEER_PROMPTS, specs):
+        before = llm.step_stats()["uncompiled_steps"]
+        alone.append(llm.generate(prompt, steering=spec, **sampling)[0])
+        assert llm.step_stats()["uncompiled_steps"] == before  # compiled tables
+    before = llm.step_stats()["uncompiled_steps"]
+    batch = [vinterp.Request(p, steering=s, capture=cap) for p, s in zip(STEER_PROMPTS, specs)]
+    together = llm.generate(batch, **sampling)
+    assert llm.step_stats()["uncompiled_steps"] > before
+    for got, spec, prompt in zip(together, specs, STEER_PROMPTS):
+        want = llm.generate(vinterp.Request(prompt, steering=spec, capture=cap), **sampling)[0]
+        torch.testing.assert_close(
+            got.captures["layers.11.output"],
+            want.captures["layers.11.output"],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_feature_steering_is_checked_before_anything_runs(llm, tmp_path) -> None:
+    topk = vinterp.SAE.load(write_saelens(tmp_path / "topk", architecture="topk", k=16))
+    llm.attach_sae("layers.5.output", topk)
+    steps = llm.step_stats()["steps"]
+    refused = {
+        "feature 2304 is out of range; this SAE has 2304 features": vinterp.Steering(
+            {FEATURES: {WIDTH: 1.0}}, mode="clamp"
+        ),
+        "no sparse autoencoder is attached at layers.3.output": vinterp.Steering(
+            {"layers.3.output.sae.features": {1: 1.0}}
+        ),
+        "top-k SAE": vinterp.Steering({"layers.5.output.sae.features": {1: 1.0}}, mode="clamp"),
+    }
+    for message, spec in refused.items():
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS[0], steering=spec, max_tokens=1)
+        with pytest.raises(ValueError, match=message):
+            llm.steering.set(spec)
+    with pytest.raises(ValueError, match="norm_match"):
+        vinterp.Steering({FEATURES: {1: 1.0}}, norm_match=True)
+    assert llm.step_stats()["steps"] == steps and llm.steering.active == []
+    # adding to a top-k SAE's feature is fine
+    llm.generate(PROMPTS[0], steering=vinterp.Steering({"layers.5.output.sae.features": {1: 2.0}}))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from vinterp.interventions import capture_store
 from vinterp.interventions.capture_buffers import CaptureBuffers, buffer_setting, buffer_site_ids
 from vinterp.interventions.capture_store import CaptureStore, merge_captures
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerCapture, WorkerSteering, worker_steering
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
@@ -69,7 +70,7 @@ def steered(state: SteeringPlanner, requests, layout, num_tokens, x, site=SITE) 
 
 
 def test_steering_rows_follow_phase_positions_and_requests() -> None:
-    state = SteeringPlanner(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
     # request a: prompt of 3 being prefilled (rows 0..2); request b: decoding position 5 (row 3)
     a = request("a", range(0, 3), 3, [steer("decode")])
     b = request("b", range(5, 6), 5, [steer("decode")])
@@ -91,7 +92,7 @@ def test_steering_rows_follow_phase_positions_and_requests() -> None:
 
 
 def test_norm_match_scales_with_each_rows_norm() -> None:
-    state = SteeringPlanner(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
     spec = steering({SITE: torch.tensor([3.0, 4.0, 0.0, 0.0])}, 0.5, "all", None, True)
     x = torch.tensor([[0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 10.0]])
     out = steered(state, [request("a", range(2), 2, [spec])], [("a", 0, 2)], 2, x)
@@ -100,7 +101,7 @@ def test_norm_match_scales_with_each_rows_norm() -> None:
 
 
 def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> None:
-    state = SteeringPlanner(buffers(max_rows=2), ORDER)
+    state = SteeringPlanner(buffers(max_rows=2), ORDER, SaeRegistry("cpu", torch.float32))
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
     state.write(lambda: [(str(i), i, i + 1) for i in range(3)], 3)
@@ -119,7 +120,7 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
         return gm.forward
 
     steer_buffers = buffers()
-    state = SteeringPlanner(steer_buffers, ORDER)
+    state = SteeringPlanner(steer_buffers, ORDER, SaeRegistry("cpu", torch.float32))
     fn = torch.compile(
         lambda x: steer_buffers(site_index(SITE), x), backend=backend, fullgraph=True
     )
@@ -174,7 +175,9 @@ def test_the_site_ops_of_every_layer_compile_to_one_graph() -> None:
     x = torch.ones(3, H)
     outputs = [run(layer, x) for layer in layers]
     assert len(graphs) == 2 and graphs[0] == graphs[1]
-    planner = SteeringPlanner(steer_buffers, ORDER)  # steering one layer reaches that one only
+    planner = SteeringPlanner(
+        steer_buffers, ORDER, SaeRegistry("cpu", torch.float32)
+    )  # steering one layer reaches that one only
     spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
     assert not planner.plan([request("a", range(3), 0, [spec])])
     planner.write(lambda: [("a", 0, 3)], 3)
@@ -442,7 +445,7 @@ def test_sites_of_one_capture_share_one_layout_per_take(monkeypatch) -> None:
 def test_decode_steps_follow_the_batch_as_it_changes() -> None:
     """Steps that repeat the last one's combination ids copy nothing; every other step
     (requests reordered, finished, unsteered) gets exactly its own rows steered."""
-    state = SteeringPlanner(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
     spec = steer("all")
     steps = [
         (["a", "b", "c"], {"a", "c"}),
@@ -482,12 +485,12 @@ def test_identical_specs_decode_to_one_and_different_ones_stay_apart() -> None:
     nudged[2] += 1e-3
 
     def decoded(wire: dict) -> WorkerSteering:
-        return worker_steering(Steering.from_wire(wire), ORDER, H)
+        return worker_steering(Steering.from_wire(wire), ORDER, H, {})
 
     assert decoded(wire(v)) is decoded(wire(v.clone()))
     assert decoded(wire(v)) is not decoded(wire(nudged))
     assert decoded(wire(v)) is not decoded(wire(v, scale=3.0))
-    state = SteeringPlanner(buffers(), ORDER)
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
     same = [request(r, range(4, 5), 2, [decoded(wire(v))]) for r in "abc"]
     state.plan(same)
     assert state.plan_ is not None and len(state.plan_.key) == 2  # none, and the one spec
@@ -516,7 +519,7 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     gate = torch.nn.Linear(H, experts, bias=False)
     io = {"output_id": logits_id, "experts_id": experts_id, "top_k": top_k}
     _add_sites(gate, steer, capture, calls, "forward", io)
-    planner = SteeringPlanner(steer, order)
+    planner = SteeringPlanner(steer, order, SaeRegistry("cpu", torch.float32))
     spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
     assert not planner.plan([request("a", range(3), 0, [spec])])
     planner.write(lambda: [("a", 0, 3)], 3)

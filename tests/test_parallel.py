@@ -203,6 +203,49 @@ def test_tensor_parallel_trace_equals_single_worker_and_hf(
     assert plain != steered
 
 
+def random_sae(d_in: int, d_sae: int = 1024) -> vinterp.SAE:
+    g = torch.Generator().manual_seed(5)
+    return vinterp.SAE(
+        "standard",
+        torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
+        torch.randn(d_sae, generator=g) * 0.1,
+        torch.randn(d_sae, d_in, generator=g) / d_sae**0.5,
+        torch.randn(d_in, generator=g) * 0.1,
+    )
+
+
+SAE_HOST = "layers.1.output"
+SAE_FEATURES = f"{SAE_HOST}.sae.features"
+
+
+def clamped_with_features(llm, sae) -> tuple[list, list]:
+    """Greedy tokens clamped in the SAE's basis, and the top-8 features captured at the host
+    (of the clamped residual) with a later layer's rows."""
+    llm.attach_sae(SAE_HOST, sae)
+    clamp = vinterp.Steering({SAE_FEATURES: {3: 12.0, 10: 0.0, 700: 5.0}}, mode="clamp")
+    cap = vinterp.Capture([SAE_FEATURES, "layers.3.output"], positions="all", topk=8)
+    outs = llm.generate(PROMPTS, steering=clamp, capture=cap, **SAMPLING)
+    return [o.token_ids for o in outs], [o.captures for o in outs]
+
+
+def test_tensor_parallel_feature_clamp_equals_single_worker_and_hf(
+    engines, tiny_llama, single_worker_tokens
+) -> None:
+    """The host residual is whole on every rank: each applies the clamp; the features are
+    encoded on the first rank."""
+    sae = random_sae(256)
+    want_tokens, want = clamped_with_features(engines.vllm(tiny_llama), sae)
+    hf_tokens, hf = clamped_with_features(engines.hf(tiny_llama), sae)
+    tokens, got = clamped_with_features(engines.vllm(tiny_llama, tensor_parallel_size=2), sae)
+    assert tokens == want_tokens == hf_tokens and tokens != single_worker_tokens
+    for captures in (want, hf):
+        for mine, theirs in zip(got, captures):
+            assert list(mine) == list(theirs)
+            assert torch.equal(mine[f"{SAE_FEATURES}.indices"], theirs[f"{SAE_FEATURES}.indices"])
+            for site in (f"{SAE_FEATURES}.values", "layers.3.output"):
+                assert rel_err(mine[site], theirs[site]) < 1e-5, site
+
+
 def test_parameters_are_read_only(engines, tiny_llama) -> None:
     llm = engines.vllm(tiny_llama, tensor_parallel_size=2)
     with pytest.raises(AttributeError, match="read-only"):

@@ -381,7 +381,7 @@ def test_mutated_worker_payloads_decode_or_raise_wire_errors(rnd) -> None:
     """What a vLLM worker decodes from a request's extra args (steering and capture)."""
     value, done = mutated(WORKER_PAYLOAD, rnd, ODD_VALUES + BYTES_VALUES)
     note(done)
-    returns_or_raises(decode_request, value, ORDER, HIDDEN)
+    returns_or_raises(decode_request, value, ORDER, HIDDEN, {})
 
 
 @pytest.mark.parametrize(
@@ -402,13 +402,13 @@ def test_bad_worker_payloads_name_the_problem(change, message) -> None:
     payload = copy.deepcopy(WORKER_PAYLOAD)
     change(payload)
     with pytest.raises(WireError, match=re.escape(message)):
-        decode_request(payload, ORDER, HIDDEN)
+        decode_request(payload, ORDER, HIDDEN, {})
     hidden = copy.deepcopy(WORKER_PAYLOAD)
     hidden["steering"][1]["vectors"]["layers.0.input"] = WORKER_PAYLOAD["steering"][0]["vectors"][
         "layers.1.output"
     ] | {"shape": [HIDDEN // 2], "data": b"\0" * (HIDDEN * 2)}
     with pytest.raises(WireError, match="hidden size is 256"):
-        decode_request(hidden, ORDER, HIDDEN)
+        decode_request(hidden, ORDER, HIDDEN, {})
 
 
 @settings(max_examples=300, deadline=None)

@@ -55,10 +55,12 @@ class LocalModel(TraceFrontEnd):
                 check_engine_features,
                 check_native_model,
             )
+            from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_features_setting
 
             check_native_model(self.config, engine_kwargs)
             check_engine_features(engine_kwargs)
             check_capture_in_graph(self.config, engine_kwargs)
+            clamp_features_setting(engine_kwargs.get("sae_clamp_features", CLAMP_FEATURES))
         return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
 
     @property
@@ -99,8 +101,10 @@ class LLM(LocalModel):
     all prompt positions, as `extract` makes, stay compiled), or give a number of rows.
     `check_applied=True` (or the environment variable VINTERP_CHECK_APPLIED=1) counts on the
     device what the site ops applied and raises `InterventionError` when a step applied less
-    than it asked for; it waits for every step, so it is for tests and debugging. Other
-    keyword arguments are vLLM's engine arguments.
+    than it asked for; it waits for every step, so it is for tests and debugging.
+    `sae_clamp_features` (default 32) is how many features of each SAE host steering's
+    compiled tables hold (API.md section 5, "Sparse autoencoders"). Other keyword arguments
+    are vLLM's engine arguments.
     """
 
     def __init__(
@@ -117,7 +121,13 @@ class LLM(LocalModel):
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
             # no graphs to follow
-            for graph_setting in ("capture_in_graph", "capture_in_graph_rows", "check_applied"):
+            graph_settings = (
+                "capture_in_graph",
+                "capture_in_graph_rows",
+                "check_applied",
+                "sae_clamp_features",
+            )
+            for graph_setting in graph_settings:
                 engine_kwargs.pop(graph_setting, None)
             from vinterp.engine.hf_engine import HFEngine
 

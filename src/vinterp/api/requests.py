@@ -21,6 +21,8 @@ from vinterp.api.sae_sites import check_sae_capture
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.errors import CaptureWriteError, InterventionError
+from vinterp.sae import SAE
+from vinterp.sae.steering import feature_steering_misfit
 from vinterp.sites.modules import site_order
 from vinterp.sites.names import is_pattern
 from vinterp.store.files import write_atomic
@@ -75,11 +77,14 @@ class Prepared:
         )
 
 
-def check_steering(steering: Steering, config: Any, field_name: str = "steering") -> None:
-    """Layer range and vector size against the model's HF config; ValueError naming the field."""
+def check_steering(
+    steering: Steering, config: Any, saes: dict[str, SAE], field_name: str = "steering"
+) -> None:
+    """Layer range and vector size against the model's HF config, features against the SAEs
+    attached; ValueError naming the field."""
     misfit = steering_misfit(
         steering, int(config.num_hidden_layers), int(config.hidden_size), field_name
-    )
+    ) or feature_steering_misfit(steering, saes, field_name)
     if misfit is not None:
         raise ValueError(misfit)
 
@@ -122,7 +127,7 @@ def prepare(
                     )
                 req.steering_names.append(spec)
             elif isinstance(spec, Steering):
-                check_steering(spec, llm.config)
+                check_steering(spec, llm.config, llm.saes)
                 req.steering.append(spec)
             else:
                 raise TypeError(

@@ -91,6 +91,9 @@ class HFInterventions:
             return None
         positions = range(request.first_position, request.first_position + value.shape[0])
         steered = _steered(request, site, value, positions)
+        features = _feature_delta(request, site, value, positions, self.saes)
+        if features is not None:
+            steered = (value if steered is None else steered) + features.to(value.dtype)
         if site in request.capture_sites:
             assert request.capture_id is not None
             rows = self._captured[request.capture_id][site]
@@ -144,6 +147,44 @@ class HFInterventions:
                     "values": torch.stack([rows[p] for p in positions]),
                 }
         return out
+
+
+def _feature_delta(
+    request: HFRequest, site: str, value: torch.Tensor, positions: range, saes: SaeRegistry
+) -> torch.Tensor | None:
+    """What steering of the features of the SAE at `site` adds, from the definition: at each
+    steered token, features f = encode(x) of the unsteered value become f' (a clamp sets a
+    feature, the last clamp of it wins; adds add to it), and x gains decode(f') - decode(f)."""
+    features_site = f"{site}.sae.features"
+    specs = [spec for spec in request.steering if features_site in spec.features]
+    if not specs:
+        return None
+    sae = saes.of(site)
+    rows, changes = [], []
+    for t, position in enumerate(positions):
+        clamped: dict[int, float] = {}
+        added: dict[int, float] = defaultdict(float)
+        for spec in specs:
+            if steers(spec, position, request.prompt_len):
+                for j, v in spec.features[features_site].items():
+                    if spec.mode == "clamp":
+                        clamped[j] = spec.scale * v
+                    else:
+                        added[j] += spec.scale * v
+        if clamped or added:
+            rows.append(t)
+            changes.append((clamped, added))
+    delta = torch.zeros(value.shape, dtype=torch.float32)
+    if not rows:
+        return delta
+    x = value[rows]
+    f = sae.encode(x)
+    new = f.clone()
+    for r, (clamped, added) in enumerate(changes):
+        for j in clamped.keys() | added.keys():
+            new[r, j] = clamped.get(j, f[r, j]) + added.get(j, 0.0)
+    delta[rows] = (sae.decode(new, x) - sae.decode(f, x)).float()
+    return delta
 
 
 def _steered(

@@ -18,6 +18,7 @@ from vinterp.engine.config_keys import (
     CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
     CONFIG_KEY,
+    SAE_CLAMP_KEY,
     SITE_PATHS_KEY,
 )
 from vinterp.engine.outputs import Output
@@ -36,6 +37,7 @@ from vinterp.interventions.capture_buffers import (
 )
 from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
+from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_features_setting
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
@@ -109,6 +111,7 @@ def vinterp_engine_settings(
     capture_in_graph: bool | str | list[str] = False,
     check_applied: bool | None = None,
     capture_in_graph_rows: int | str | None = None,
+    sae_clamp_features: int = CLAMP_FEATURES,
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
@@ -116,7 +119,8 @@ def vinterp_engine_settings(
     the compiled model (`interventions.capture_buffers`), `capture_in_graph_rows` rows
     each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
     what the sites applied and checks it after every step (`interventions.applied`; None:
-    VINTERP_CHECK_APPLIED)."""
+    VINTERP_CHECK_APPLIED); `sae_clamp_features` sizes the steering tables of SAE features
+    (`interventions.clamp_buffers`)."""
     check_boundary()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
@@ -131,6 +135,7 @@ def vinterp_engine_settings(
             CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
             CAPTURE_ROWS_KEY: buffer_rows_setting(capture_in_graph_rows),
             CHECK_APPLIED_KEY: bool(check_applied),
+            SAE_CLAMP_KEY: clamp_features_setting(sae_clamp_features),
         },
     }
 
@@ -156,6 +161,7 @@ def engine_arguments(
             engine_kwargs.pop("capture_in_graph", False),
             engine_kwargs.pop("check_applied", None),
             engine_kwargs.pop("capture_in_graph_rows", None),
+            engine_kwargs.pop("sae_clamp_features", CLAMP_FEATURES),
         ),
         **engine_kwargs,
     }

@@ -14,6 +14,7 @@ from vinterp.engine.config_keys import (
     CAPTURE_IN_GRAPH_KEY,
     CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
+    SAE_CLAMP_KEY,
     SITE_PATHS_KEY,
 )
 from vinterp.engine.site_ops import SiteCalls
@@ -23,6 +24,7 @@ from vinterp.engine.vllm_boundary.site_modules import held_site_ids, install_vll
 from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
+from vinterp.interventions.clamp_buffers import CLAMP_FEATURES
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules, site_order
@@ -56,6 +58,7 @@ def steer_buffers_for(
         dtype=runner.model_config.dtype,
         device=runner.device,
         counters=counters,
+        clamp_features=(config.additional_config or {}).get(SAE_CLAMP_KEY, CLAMP_FEATURES),
     )
 
 

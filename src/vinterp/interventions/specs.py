@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from vinterp.sae import SAE
+from vinterp.sae.steering import feature_steering_misfit
 from vinterp.sites.names import SiteOrder, is_pattern
 from vinterp.wire.errors import WireError
 from vinterp.wire.specs import (
@@ -24,6 +27,7 @@ from vinterp.wire.specs import (
     RequestSpecs,
     Steering,
     capture_sites,
+    feature_host,
     selected_count,
     selection_ended,
     selects,
@@ -44,11 +48,19 @@ class WorkerSteering:
 
     steering: Steering
     positions: frozenset[int] | None = field(init=False)
+    # per host site, the SAE features it steers there and their values times scale
+    features: dict[str, dict[int, float]] = field(init=False)
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     def __post_init__(self) -> None:
         positions = self.steering.positions
         object.__setattr__(self, "positions", None if positions is None else frozenset(positions))
+        scale = self.steering.scale
+        features = {
+            feature_host(site): {j: v * scale for j, v in chosen.items()}
+            for site, chosen in self.steering.features.items()
+        }
+        object.__setattr__(self, "features", features)
 
     @classmethod
     def shared(cls, steering: Steering) -> WorkerSteering:
@@ -67,6 +79,16 @@ class WorkerSteering:
     @property
     def norm_match(self) -> bool:
         return self.steering.norm_match
+
+    @property
+    def clamps(self) -> bool:
+        """Whether its features are set (clamped) rather than added to."""
+        return self.steering.mode == "clamp"
+
+    @property
+    def sites(self) -> list[str]:
+        """The sites it steers: its vectors' and its features' hosts."""
+        return [*self.vectors, *self.features]
 
     def applies(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Which of these absolute token positions the steering steers."""
@@ -93,7 +115,18 @@ def content_key(steering: Steering) -> tuple[Any, ...]:
         for site, v in sorted(steering.vectors.items())
     )
     positions = None if steering.positions is None else tuple(sorted(steering.positions))
-    return (vectors, steering.scale, steering.phase, positions, steering.norm_match)
+    features = tuple(
+        (site, tuple(sorted(f.items()))) for site, f in sorted(steering.features.items())
+    )
+    return (
+        vectors,
+        steering.scale,
+        steering.phase,
+        positions,
+        steering.norm_match,
+        features,
+        steering.mode,
+    )
 
 
 @dataclass(frozen=True)
@@ -148,15 +181,20 @@ class WorkerRequest:
     trace: tuple[str, int] | None
 
 
-def worker_steering(steering: Steering, order: SiteOrder, hidden_size: int) -> WorkerSteering:
-    """A decoded steering checked against this model."""
+def worker_steering(
+    steering: Steering, order: SiteOrder, hidden_size: int, saes: Mapping[str, SAE]
+) -> WorkerSteering:
+    """A decoded steering checked against this model and the SAEs attached."""
     misfit = steering_misfit(steering, order.num_layers, hidden_size)
+    misfit = misfit or feature_steering_misfit(steering, saes)
     if misfit is not None:
         raise WireError(misfit)
     return WorkerSteering.shared(steering)
 
 
-def decode_request(extra: Any, order: SiteOrder, hidden_size: int) -> WorkerRequest:
+def decode_request(
+    extra: Any, order: SiteOrder, hidden_size: int, saes: Mapping[str, SAE]
+) -> WorkerRequest:
     """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict)."""
     cached = extra.get("_decoded") if isinstance(extra, dict) else None
     if cached is None:
@@ -165,7 +203,7 @@ def decode_request(extra: Any, order: SiteOrder, hidden_size: int) -> WorkerRequ
         if specs.capture is not None:
             capture = WorkerCapture.of(specs.capture_id, specs.capture, order)
         cached = WorkerRequest(
-            [worker_steering(s, order, hidden_size) for s in specs.steering],
+            [worker_steering(s, order, hidden_size, saes) for s in specs.steering],
             specs.steering_names,
             capture,
             specs.trace,

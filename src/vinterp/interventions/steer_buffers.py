@@ -3,13 +3,15 @@
 A CUDA-graph replay runs the kernels recorded at capture and no Python, so per-step steering
 cannot be a decision made at the site. Instead every site computes
 
-    out = x + add[row] + |x| * unit[row],   row = site_rows[token_combo[t], site]
+    out = x + add[row] + |x| * unit[row] + sae[row],   row = site_rows[token_combo[t], site]
 
 from buffers at fixed addresses that the runner fills before each step, outside the graph:
 `token_combo` says which combination of steering specs applies to each token of the flat
 batch, `site_rows` which table row that combination adds at each site, `add`/`unit` hold the
 summed plain and norm-matched vectors. Row 0 of both tables is zero and combination 0 maps
-every site to row 0, so an unsteered token gets exactly `x + 0`. The ops are ordinary tensor
+every site to row 0, so an unsteered token gets exactly `x + 0`. `sae[row]` is what steering
+in the feature basis of an attached SAE adds (`clamp_buffers`: clamped or added features,
+computed from x with the SAE's encoder columns), zero at row 0 as well. The ops are ordinary tensor
 ops, so torch.compile fuses them into the neighbouring kernels (the norm and residual adds
 around every site) rather than adding a pass over the activations.
 
@@ -26,18 +28,20 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
+from vinterp.interventions.clamp_buffers import ClampBuffers, ClampTables, feature_delta
 from vinterp.interventions.graph_recording import ops_recorded
 
 
 @dataclass
 class SteerTables:
-    """The four tensors the site formula reads (the persistent buffers, or larger ones for
-    a step whose steering does not fit them: such a step runs uncompiled)."""
+    """The tensors the site formula reads (the persistent buffers, or larger ones for a step
+    whose steering does not fit them: such a step runs uncompiled)."""
 
     token_combo: torch.Tensor  # (tokens,) int64
     site_rows: torch.Tensor  # (combos, sites) int64
     add: torch.Tensor  # (rows, H) model dtype
     unit: torch.Tensor  # (rows, H) model dtype
+    clamp: ClampTables | None = None  # SAE features (None: no clamp tables)
 
 
 class SteerBuffers(nn.Module):
@@ -51,7 +55,10 @@ class SteerBuffers(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         counters: AppliedCounters | None = None,
+        clamp_features: int = 0,
     ) -> None:
+        """`clamp_features`: SAE features per host that the compiled tables hold (0: none;
+        steps that steer features then run uncompiled)."""
         super().__init__()
         self.counters = counters  # with the check on (`interventions.applied`)
 
@@ -62,23 +69,31 @@ class SteerBuffers(nn.Module):
         self.register_buffer("site_rows", zeros(max_combos, num_sites), persistent=False)
         self.register_buffer("add", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
         self.register_buffer("unit", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
+        self.clamp = None
+        if clamp_features:
+            self.clamp = ClampBuffers(
+                num_sites, hidden_size, clamp_features, max_rows, torch.device(device)
+            )
         self.overflow: SteerTables | None = None  # set only for steps run uncompiled
         self.active = False  # whether any token is steered this step
+        self.clamping = False  # whether SAE features are steered this step
 
     def tables(self) -> SteerTables:
         """The tables this step reads; in a recorded graph always the persistent buffers."""
         if not ops_recorded() and self.overflow is not None:
             return self.overflow
-        return SteerTables(self.token_combo, self.site_rows, self.add, self.unit)
+        clamp = None if self.clamp is None else self.clamp.tables()
+        return SteerTables(self.token_combo, self.site_rows, self.add, self.unit, clamp)
 
     def forward(
         self, site: torch.Tensor, x: torch.Tensor, norm_of: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x plus this step's steering at `site` (the site id as a one-element tensor: a graph
         input, not a constant, so every layer's compiled graph is the same one); `norm_of` is
-        the tensor whose row norms scale norm-matched vectors (the residual stream when x is
-        one of its two parts). An uncompiled step with no steering skips the ops (Python may
-        decide there, but never while a graph records: `ops_recorded`)."""
+        the tensor whose row norms scale norm-matched vectors and whose SAE features are
+        steered (the residual stream when x is one of its two parts). An uncompiled step with
+        no steering skips the ops (Python may decide there, but never while a graph records:
+        `ops_recorded`)."""
         if not ops_recorded() and not self.active:
             return x
         t = self.tables()
@@ -88,4 +103,6 @@ class SteerBuffers(nn.Module):
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
         delta = t.add[rows].float() + norm * t.unit[rows].float()
+        if t.clamp is not None and (ops_recorded() or self.clamping):
+            delta = delta + feature_delta(t.clamp, site, source, rows)
         return x + delta.to(x.dtype)

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from vinterp.interventions.applied import steered_per_site
+from vinterp.interventions.clamp_buffers import CLAMP_HOSTS, ClampTables
 from vinterp.interventions.host_to_device import upload
+from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers, SteerTables
 from vinterp.sites.names import SiteOrder
@@ -53,9 +55,12 @@ class SteeredRequest:
 class SteerPlan:
     combos: dict[str, int | np.ndarray]  # req id -> combination id of its tokens this step
     key: tuple[tuple[int, ...], ...]  # the combinations (spec serials), in id order
+    saes: int = 0  # the SAEs' generation: tables built from a replaced SAE are built again
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
+    clamp: ClampTables | None = None  # SAE features' tables, when key changed and any
+    clamping: bool = False  # whether SAE features are steered
     overflow: bool = False  # the tables do not fit the persistent buffers
 
 
@@ -101,7 +106,7 @@ def _tables(
     site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
     adds, units = [torch.zeros(hidden_size)], [torch.zeros(hidden_size)]
     for combo, specs in enumerate(specs_by_combo):
-        for site in dict.fromkeys(s for spec in specs for s in spec.vectors):
+        for site in dict.fromkeys(s for spec in specs for s in spec.sites):
             add, unit = torch.zeros(hidden_size), torch.zeros(hidden_size)
             for spec in specs:
                 if site in spec.vectors:
@@ -113,12 +118,58 @@ def _tables(
     return site_rows, torch.stack(adds), torch.stack(units)
 
 
+def _clamp_tables(
+    specs_by_combo: list[tuple[WorkerSteering, ...]],
+    site_rows: np.ndarray,
+    num_rows: int,
+    order: SiteOrder,
+    saes: SaeRegistry,
+    width: int,
+) -> ClampTables | None:
+    """The SAE feature tables (`clamp_buffers`): a slot per host whose features are steered,
+    `width` columns (more if a host has more features: then they do not fit the buffers), and
+    per table row at a host its features' values and which are clamped. At a token, a clamp
+    sets the feature (the last clamp of it wins), adds add to it: value = clamp + adds."""
+    hosts: dict[str, dict[int, int]] = {}  # host -> feature -> column
+    for specs in specs_by_combo:
+        for spec in specs:
+            for host, chosen in spec.features.items():
+                columns = hosts.setdefault(host, {})
+                for j in chosen:
+                    columns.setdefault(j, len(columns))
+    if not hosts:
+        return None
+    width = max(width, *map(len, hosts.values()))
+    slots = max(CLAMP_HOSTS, len(hosts)) + 1
+    hidden = saes.of(next(iter(hosts))).d_in
+    tables = ClampTables.zeros(len(order.sites), slots, width, num_rows, hidden, "cpu")
+    for slot, (host, columns) in enumerate(hosts.items(), 1):
+        tables.site_slot[order[host]] = slot
+        tables.fill_slot(slot, saes.of(host), list(columns))
+    for combo, specs in enumerate(specs_by_combo):
+        for host, columns in hosts.items():
+            row = site_rows[combo, order[host]]
+            clamped: dict[int, float] = {}
+            added: dict[int, float] = {}
+            for spec in specs:
+                for j, v in spec.features.get(host, {}).items():
+                    if spec.clamps:
+                        clamped[j] = v
+                    else:
+                        added[j] = added.get(j, 0.0) + v
+            for j in clamped.keys() | added.keys():
+                tables.value[row, columns[j]] = clamped.get(j, 0.0) + added.get(j, 0.0)
+                tables.clamp[row, columns[j]] = j in clamped
+    return tables
+
+
 @dataclass
 class SteeringPlanner:
     """Plans each step's steering and keeps the persistent buffers up to date."""
 
     buffers: SteerBuffers
     order: SiteOrder
+    saes: SaeRegistry  # the SAEs whose features steering names
     plan_: SteerPlan | None = None
     _loaded_key: tuple | None = field(default=None)
     # what the first rows of the token_combo buffer hold (the rest is zero): a decode step
@@ -130,27 +181,41 @@ class SteeringPlanner:
     # the host copies of what this step's steering reads: (token_combo, site_rows)
     _step_tables: tuple[np.ndarray, np.ndarray] | None = None
     _loaded_site_rows: np.ndarray | None = None
+    _clamp_loaded = False  # whether the clamp buffers hold a plan's slots
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
-        self.buffers.overflow = None
-        self.buffers.active = bool(requests)
+        buffers = self.buffers
+        buffers.overflow = None
+        buffers.active = bool(requests)
+        buffers.clamping = False
         if not requests:
             self.plan_ = None
             return False
         per_request, combos = _combinations(requests)
-        plan = SteerPlan(per_request, tuple(combos))
-        if plan.key != self._loaded_key:
-            buffers = self.buffers
+        plan = SteerPlan(per_request, tuple(combos), self.saes.generation)
+        specs_by_combo = list(combos.values())
+        plan.clamping = any(spec.features for specs in specs_by_combo for spec in specs)
+        if (plan.key, plan.saes) != self._loaded_key:
             plan.site_rows, plan.add, plan.unit = _tables(
-                list(combos.values()), self.order, buffers.add.shape[1]
+                specs_by_combo, self.order, buffers.add.shape[1]
+            )
+            clamp_buffers = None if buffers.clamp is None else buffers.clamp.tables()
+            width = 0 if clamp_buffers is None else clamp_buffers.enc.shape[1]
+            plan.clamp = _clamp_tables(
+                specs_by_combo, plan.site_rows, len(plan.add), self.order, self.saes, width
             )
             plan.overflow = (
                 len(plan.site_rows) > buffers.site_rows.shape[0]
                 or len(plan.add) > buffers.add.shape[0]
+                or (
+                    plan.clamp is not None
+                    and (clamp_buffers is None or not plan.clamp.fits(clamp_buffers))
+                )
             )
             if plan.overflow:
                 self._loaded_key = None
+        buffers.clamping = plan.clamping
         self.plan_ = plan
         return plan.overflow
 
@@ -181,6 +246,7 @@ class SteeringPlanner:
                 torch.from_numpy(plan.site_rows).to(buffers.site_rows.device),
                 plan.add.to(buffers.add),  # type: ignore[union-attr]
                 plan.unit.to(buffers.unit),  # type: ignore[union-attr]
+                None if plan.clamp is None else plan.clamp.to(buffers.add.device),
             )
             self._step_tables = (token_combo, plan.site_rows)  # type: ignore[assignment]
             return
@@ -188,11 +254,24 @@ class SteeringPlanner:
             upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
             upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
             upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
-            self._loaded_key, self._loaded_site_rows = plan.key, plan.site_rows
+            self._load_clamp(plan.clamp)
+            self._loaded_key, self._loaded_site_rows = (plan.key, plan.saes), plan.site_rows
         if not np.array_equal(token_combo, self._on_device):
             upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
             self._on_device = token_combo
         self._step_tables = (token_combo, self._loaded_site_rows)  # type: ignore[assignment]
+
+    def _load_clamp(self, tables: ClampTables | None) -> None:
+        """Put a plan's SAE feature tables into the clamp buffers; a plan without features
+        points every site at the zero slot (the buffers' rows may hold another plan's)."""
+        clamp = self.buffers.clamp
+        if clamp is None:
+            return
+        if tables is not None:
+            tables.upload_to(clamp.tables())
+        elif self._clamp_loaded:
+            clamp.site_slot.zero_()
+        self._clamp_loaded = tables is not None
 
     def steered_per_site(self) -> np.ndarray | None:
         """Per site, the tokens this step's steering steers there (None: no steering)."""

@@ -55,11 +55,13 @@ class WorkerInterventions:
         self.version += 1
 
     def _steer_spec(self, wire: dict[str, Any]) -> WorkerSteering:
-        return worker_steering(Steering.from_wire(wire), self.order, self.hidden_size)
+        return worker_steering(
+            Steering.from_wire(wire), self.order, self.hidden_size, self.saes.saes
+        )
 
     def decode(self, extra: dict[str, Any]) -> WorkerRequest:
         """A request's steering, capture and trace invoke (checked; decoded once)."""
-        return decode_request(extra, self.order, self.hidden_size)
+        return decode_request(extra, self.order, self.hidden_size, self.saes.saes)
 
     def steering_for(self, request: WorkerRequest | None) -> list[WorkerSteering]:
         """Every steering of a request: global, then its named ones, then its own."""

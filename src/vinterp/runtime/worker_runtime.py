@@ -93,7 +93,7 @@ class WorkerRuntime:
         self.interventions = WorkerInterventions(
             ships_results, order, steer.add.shape[1], self.saes
         )
-        self.steering = SteeringPlanner(steer, order)
+        self.steering = SteeringPlanner(steer, order, self.saes)
         self.tracker = RequestTracker(self._describe)
         self.router = StepRouter(
             self.tracker, self.interventions, self.steering, capture, self.traces.works_now
@@ -116,6 +116,7 @@ class WorkerRuntime:
             self.saes.attach_wire(site, wire)
         except (KeyError, TypeError, ValueError) as exc:
             return f"the SAE for {site} could not be attached: {exc}"
+        self.interventions.version += 1  # steering of its features is planned again
         return None
 
     def forget(self, trace_id: str) -> None:

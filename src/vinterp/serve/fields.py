@@ -56,7 +56,7 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
             continue
         spec = Steering.from_json(item)
         try:
-            check_steering(spec, config, "vinterp.steering")
+            check_steering(spec, config, {}, "vinterp.steering")  # a server holds no SAE
         except ValueError as exc:
             raise FieldError(str(exc)) from None
         prepared.steering.append(spec)

@@ -226,7 +226,7 @@ async def put_steering(request: Request) -> JSONResponse:
         if isinstance(body, dict) and set(body) == {"global"} and isinstance(body["global"], list):
             specs = [Steering.from_json(item) for item in body["global"]]
             for spec in specs:
-                check_steering(spec, config, "global")
+                check_steering(spec, config, {}, "global")  # a server holds no SAE
             wires = [s.to_wire() for s in specs]
             await engine.collective_rpc("vinterp_set_steering", args=(wires,))
             state.global_ = specs
@@ -235,7 +235,7 @@ async def put_steering(request: Request) -> JSONResponse:
             if not isinstance(name, str) or not name or len(name) > 200:
                 raise BadRequest("name: a non-empty string of at most 200 characters")
             spec = Steering.from_json(body["steering"])
-            check_steering(spec, config, "steering")
+            check_steering(spec, config, {}, "steering")
             await engine.collective_rpc("vinterp_register_steering", args=(name, spec.to_wire()))
             state.named[name] = spec
         else:

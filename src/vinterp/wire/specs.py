@@ -34,6 +34,7 @@ from vinterp.wire.json_form import tensor_from_json, tensor_to_json
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 Phase = Literal["all", "prefill", "decode"]
+SteerMode = Literal["add", "clamp"]
 PositionSelector = Literal["last_prompt", "all_prompt", "all_generated", "all"]
 PHASES: tuple[str, ...] = get_args(Phase)
 POSITION_SELECTORS: tuple[str, ...] = get_args(PositionSelector)
@@ -46,7 +47,9 @@ TensorDecoder = Callable[[Any, str], torch.Tensor]
 
 
 class Steering(BaseModel):
-    """Add `scale * vector` at sites of the residual stream, per request or globally."""
+    """Add `scale * vector` at sites of the residual stream, per request or globally; or, at
+    the `<host>.sae.features` site of an attached SAE, add to (`mode="add"`) or set
+    (`mode="clamp"`) features: `{"layers.10.output.sae.features": {1234: 8.0}}`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
@@ -55,21 +58,27 @@ class Steering(BaseModel):
     phase: Phase = "all"
     positions: list[int] | None = None
     norm_match: bool = False
+    features: dict[str, dict[int, float]] = {}  # SAE feature site -> {feature: value}
+    mode: SteerMode = "add"
 
     def __init__(self, vectors: dict[str, Any], **kwargs: Any) -> None:
+        if isinstance(vectors, dict) and "features" not in kwargs:
+            kwargs["features"] = {s: v for s, v in vectors.items() if _is_feature_site(s)}
+            vectors = {s: v for s, v in vectors.items() if not _is_feature_site(s)}
         super().__init__(vectors=vectors, **kwargs)
 
     @field_validator("vectors", mode="before")
     @classmethod
     def _vectors(cls, value: Any) -> dict[str, torch.Tensor]:
-        if not isinstance(value, dict) or not value:
+        if not isinstance(value, dict):
             raise ValueError("vectors: give a dict {site: vector}, e.g. {'layers.10.output': v}")
         out = {}
         for site, vector in value.items():
             if not isinstance(site, str) or not is_steerable(site):
                 raise ValueError(
                     f"vectors: {short(site)} cannot be steered; use layers.{{i}}.input|output, "
-                    "layers.{i}.attn.output or layers.{i}.mlp.output"
+                    "layers.{i}.attn.output or layers.{i}.mlp.output, or such a site followed "
+                    "by .sae.features with {feature: value}"
                 )
             tensor = torch.as_tensor(vector).detach().to("cpu", torch.float32)
             if tensor.dim() != 1:
@@ -79,6 +88,36 @@ class Steering(BaseModel):
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"vectors[{site!r}]: contains inf or nan")
             out[site] = tensor
+        return out
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _features(cls, value: Any) -> dict[str, dict[int, float]]:
+        if not isinstance(value, dict):
+            raise ValueError("features: give {'layers.{i}.output.sae.features': {feature: value}}")
+        out: dict[str, dict[int, float]] = {}
+        for site, chosen in value.items():
+            if not _is_feature_site(site):
+                raise ValueError(
+                    f"features: {short(site)} is not the feature site of a steerable host; "
+                    "use layers.{i}.input|output|attn.output|mlp.output followed by .sae.features"
+                )
+            if not isinstance(chosen, dict) or not chosen:
+                raise ValueError(
+                    f"features[{site!r}]: give {{feature index: value}}, e.g. {{7: 8.0}}"
+                )
+            out[site] = {}
+            for index, amount in chosen.items():
+                feature = _feature_index(index)
+                if feature is None:
+                    raise ValueError(
+                        f"features[{site!r}]: {short(index)} is not a feature index (an int >= 0)"
+                    )
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+                    raise ValueError(f"features[{site!r}][{feature}]: expected a number")
+                if not math.isfinite(amount):
+                    raise ValueError(f"features[{site!r}][{feature}]: expected a finite number")
+                out[site][feature] = float(amount)
         return out
 
     @field_validator("scale")
@@ -94,6 +133,25 @@ class Steering(BaseModel):
         if value is not None and any(p < 0 for p in value):
             raise ValueError("positions: prompt positions are >= 0")
         return value
+
+    @model_validator(mode="after")
+    def _kinds(self) -> Steering:
+        if not self.vectors and not self.features:
+            raise ValueError(
+                "vectors: give a dict {site: vector}, e.g. {'layers.10.output': v}, or "
+                "{'layers.10.output.sae.features': {feature: value}}"
+            )
+        if self.mode == "clamp" and self.vectors:
+            raise ValueError(
+                f"mode: 'clamp' sets SAE features; {next(iter(self.vectors))} is a vector "
+                "site: steer it in another Steering with mode='add'"
+            )
+        if self.norm_match and self.features:
+            raise ValueError(
+                "norm_match: scales vectors by the residual's norm; it does not apply to SAE "
+                "features: steer them in a Steering without norm_match"
+            )
+        return self
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (API.md section 6): the `steering` of the `vinterp` extra body field."""
@@ -254,6 +312,13 @@ def steering_misfit(
     steering: Steering, num_layers: int, hidden_size: int, field_name: str = "steering"
 ) -> str | None:
     """What makes `steering` unfit for a model of this depth and width (None: it fits)."""
+    for site in steering.features:
+        layer = parse_site(site).layer
+        if layer is None or layer >= num_layers:
+            return (
+                f"{field_name}.features[{site!r}]: layer {layer} is out of range; "
+                f"this model has layers 0..{num_layers - 1}"
+            )
     for site, vector in steering.vectors.items():
         layer = parse_site(site).layer  # a Steering holds only layer sites
         if layer is None or layer >= num_layers:
@@ -339,6 +404,9 @@ def _steering_data(steering: Steering, tensor: TensorEncoder) -> dict[str, Any]:
         "phase": steering.phase,
         "positions": steering.positions,
         "norm_match": steering.norm_match,
+        # JSON object keys are strings: feature indices travel as decimal text
+        "features": {s: {str(j): v for j, v in f.items()} for s, f in steering.features.items()},
+        "mode": steering.mode,
     }
 
 
@@ -348,6 +416,25 @@ def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
         raise WireError("steering.vectors: expected {site: tensor}")
     vectors = {s: tensor(v, f"steering.vectors[{short(s)}]") for s, v in obj["vectors"].items()}
     return _validated(Steering, "steering", {**obj, "vectors": vectors})
+
+
+def _is_feature_site(site: Any) -> bool:
+    """Whether `site` names the features of an SAE at a steerable host."""
+    return isinstance(site, str) and is_sae_features(site) and is_steerable(feature_host(site))
+
+
+def feature_host(site: str) -> str:
+    """The host of an SAE feature site (`layers.3.output.sae.features`: `layers.3.output`)."""
+    return site.removesuffix(".sae.features")
+
+
+def _feature_index(index: Any) -> int | None:
+    """A feature index given as an int, or as decimal text (JSON object keys); None if neither."""
+    if isinstance(index, str) and index.isascii() and index.isdigit():
+        return int(index)
+    if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+        return index
+    return None
 
 
 def capture_sites(capture: Capture, order: SiteOrder) -> list[str]:
