@@ -102,8 +102,9 @@ class LLM(LocalModel):
     `check_applied=True` (or the environment variable VINTERP_CHECK_APPLIED=1) counts on the
     device what the site ops applied and raises `InterventionError` when a step applied less
     than it asked for; it waits for every step, so it is for tests and debugging.
-    `sae_clamp_features` (default 32) is how many features of each SAE host steering's
-    compiled tables hold (API.md section 5, "Sparse autoencoders"). Other keyword arguments
+    `sae_clamp_features` (default 0: none) is how many features of each SAE host steering's
+    compiled tables hold, so that steering SAE features stays in the compiled graph (API.md
+    section 5, "Sparse autoencoders"). Other keyword arguments
     are vLLM's engine arguments.
     """
 

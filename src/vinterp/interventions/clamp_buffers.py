@@ -32,7 +32,9 @@ from vinterp.sae.model import LAYER_NORM_EPS
 # `norm` codes: how a slot's SAE normalises its input at run time
 NORMS = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
 CLAMP_HOSTS = 4  # hosts whose features one compiled step may steer
-CLAMP_FEATURES = 32  # the engine setting `sae_clamp_features` by default: features per host
+# The engine setting `sae_clamp_features` by default: no compiled tables, so an engine that
+# steers no SAE feature pays nothing for them (feature steering then runs uncompiled).
+CLAMP_FEATURES = 0
 
 
 def clamp_features_setting(value: object) -> int:
