@@ -138,3 +138,34 @@ def test_induction_heads(llm, tmp_path) -> None:
     # a trained model has a few strong induction heads among many that are not
     assert float(scores.max()) > 0.5 > 5 * float(scores.median())
     assert_pngs(result["png"])
+
+
+def test_sae_features(llm, tmp_path, capsys) -> None:
+    """On a random SAE saved where examples/sae_training.py saves its own: the top features
+    returned and printed are `sae.topk` of the residual captured apart."""
+    module = example("sae_features")
+    g = torch.Generator().manual_seed(0)
+    hidden, width = 576, 4 * 576
+    sae = vinterp.SAE(
+        "standard",
+        torch.randn(hidden, width, generator=g) / hidden**0.5,
+        torch.zeros(width),
+        torch.randn(width, hidden, generator=g) / width**0.5,
+        torch.zeros(hidden),
+    )
+    sae.save(tmp_path / "sae")
+    result = module.run(llm, tmp_path)
+    printed = capsys.readouterr().out
+    capture = vinterp.Capture(module.SITE, positions="all_prompt")
+    outs = llm.generate(module.PROMPTS, max_tokens=1, capture=capture)
+    for k, out in enumerate(outs):
+        want_indices, want_values = sae.topk(out.captures[module.SITE], module.TOPK)
+        indices, values = result["indices"][k], result["values"][k]
+        assert len(result["tokens"][k]) == len(indices) == len(want_indices)
+        torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(indices.sort().values, want_indices.sort().values)
+        top = f"{int(want_indices[-1, 0])}={float(want_values[-1, 0]):.2f}"
+        assert top in printed  # the last token's largest feature, as printed
+    assert_pngs(result["png"])
+    with pytest.raises(SystemExit, match="run examples/sae_training.py"):
+        module.run(llm, tmp_path / "empty")
