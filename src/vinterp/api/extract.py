@@ -277,10 +277,11 @@ def engine_settings(
     """`vinterp.LLM` keywords for an engine that extracts `sites` at `positions`: capture
     buffers at those sites, so capturing steps stay compiled (`vinterp extract` starts its
     engine this way); one step's tokens each, or one row per sequence for last_prompt. SAE
-    sites get none: their steps run uncompiled (API.md section 5)."""
+    sites get none (their steps run uncompiled, API.md section 5): with no other site, the
+    settings are a default engine's."""
     names = [sites] if isinstance(sites, str) else list(sites)
     dense = [site for site in names if sae_site(site) is None]
-    rows = None if positions == "last_prompt" else "step"
+    rows = None if positions == "last_prompt" or not dense else "step"
     return {"capture_in_graph": dense or False, "capture_in_graph_rows": rows}
 
 
