@@ -17,6 +17,7 @@ from vinterp import cli
 from vinterp.api.extract import (
     EngineFacts,
     dataset_about,
+    engine_settings,
     expand_sites,
     extraction_spec,
     shard_columns,
@@ -174,3 +175,12 @@ def test_captured_top_k_rows_become_an_index_and_a_value_column(tmp_path: Path) 
     assert torch.equal(site_tensor(tmp_path, DENSE), kept(DENSE).half())
     with pytest.raises(KeyError, match=f"its sites: {FEATURES}.indices, {FEATURES}.values"):
         site_tensor(tmp_path, FEATURES)
+
+
+def test_sae_sites_get_no_capture_buffer() -> None:
+    """Their steps run uncompiled: only the dense sites of the run keep buffers."""
+    assert engine_settings([FEATURES, DENSE]) == {
+        "capture_in_graph": [DENSE],
+        "capture_in_graph_rows": "step",
+    }
+    assert engine_settings(FEATURES) == {"capture_in_graph": False, "capture_in_graph_rows": None}
