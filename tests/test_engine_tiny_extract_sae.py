@@ -19,6 +19,7 @@ import torch
 
 import vinterp
 from vinterp.api.extract import engine_settings
+from vinterp.bench.bench_sae import random_sae
 from vinterp.store import SpecMismatchError
 
 pytestmark = pytest.mark.engine("tiny")
@@ -55,18 +56,6 @@ def dying_save(self):
 ActivationStore.save = dying_save
 cli.main(sys.argv[1:])
 """
-
-
-def random_sae(d_in: int, seed: int) -> vinterp.SAE:
-    g = torch.Generator().manual_seed(seed)
-    d_sae = 4 * d_in
-    return vinterp.SAE(
-        "standard",
-        torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
-        torch.randn(d_sae, generator=g) * 0.1,
-        torch.randn(d_sae, d_in, generator=g) / d_sae**0.5,
-        torch.randn(d_in, generator=g) * 0.1,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 from eager_attention import eager_attentions
 
 import vinterp
+from vinterp.bench.bench_sae import random_sae
 
 pytestmark = pytest.mark.engine("bundled")
 
@@ -144,15 +145,7 @@ def test_sae_features(llm, tmp_path, capsys) -> None:
     """On a random SAE saved where examples/sae_training.py saves its own: the top features
     returned and printed are `sae.topk` of the residual captured apart."""
     module = example("sae_features")
-    g = torch.Generator().manual_seed(0)
-    hidden, width = 576, 4 * 576
-    sae = vinterp.SAE(
-        "standard",
-        torch.randn(hidden, width, generator=g) / hidden**0.5,
-        torch.zeros(width),
-        torch.randn(width, hidden, generator=g) / width**0.5,
-        torch.zeros(hidden),
-    )
+    sae = random_sae(576)
     sae.save(tmp_path / "sae")
     result = module.run(llm, tmp_path)
     printed = capsys.readouterr().out

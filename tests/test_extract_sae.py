@@ -26,6 +26,7 @@ from vinterp.api.extract import (
 from vinterp.api.extract_plan import PlannedPrompt
 from vinterp.api.extract_sae import SaeFacts, check_sae_sites, load_saes
 from vinterp.api.prompt_source import prompt_source
+from vinterp.bench.bench_sae import random_sae
 from vinterp.engine.engine_limits import EngineLimits
 from vinterp.engine.outputs import Output
 from vinterp.models.tiny import tiny_config
@@ -37,17 +38,6 @@ CONFIG = SimpleNamespace(**tiny_config("llama"))  # 4 layers, hidden 256
 FEATURES = "layers.1.output.sae.features"
 DENSE = "layers.2.output"
 K = 3
-
-
-def random_sae(d_in: int, d_sae: int, seed: int = 0) -> SAE:
-    g = torch.Generator().manual_seed(seed)
-    return SAE(
-        "standard",
-        torch.randn(d_in, d_sae, generator=g),
-        torch.randn(d_sae, generator=g),
-        torch.randn(d_sae, d_in, generator=g),
-        torch.randn(d_in, generator=g),
-    )
 
 
 @pytest.mark.parametrize(
@@ -76,11 +66,11 @@ def test_an_sae_error_site_is_a_dense_column_and_needs_no_topk() -> None:
 
 
 def test_saes_are_loaded_from_directories_and_checked_against_the_host(tmp_path: Path) -> None:
-    random_sae(256, 16).save(tmp_path / "sae")
+    random_sae(256).save(tmp_path / "sae")
     loaded = load_saes(CONFIG, {"layers.1.output": tmp_path / "sae"})
-    assert loaded["layers.1.output"].d_sae == 16
+    assert loaded["layers.1.output"].d_sae == 1024
     with pytest.raises(ValueError, match="d_in 128 differs from the hidden size 256"):
-        load_saes(CONFIG, {"layers.1.output": random_sae(128, 16)})
+        load_saes(CONFIG, {"layers.1.output": random_sae(128)})
     with pytest.raises(FileNotFoundError, match="not an SAE directory"):
         load_saes(CONFIG, {"layers.1.output": tmp_path / "missing"})
 
@@ -91,7 +81,7 @@ def test_the_cli_refuses_a_bad_sae_in_one_line_before_any_engine_starts(
     """(The fast tier refuses every engine start: these end before one.)"""
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\n")
-    random_sae(128, 16).save(tmp_path / "narrow")
+    random_sae(128).save(tmp_path / "narrow")
     base = ["extract", "--model", str(vinterp.models.tiny("llama")), "--prompts", str(prompts)]
     base += ["--sites", FEATURES, "--topk", "3", "--out", str(tmp_path / "out")]
     for sae, error in [
@@ -122,8 +112,8 @@ def spec(saes: dict[str, SAE], topk: int | None, sites: list[str]) -> dict:
 
 
 def test_the_spec_holds_k_and_the_digest_of_each_sae_its_sites_read() -> None:
-    sae, other = random_sae(256, 16, seed=0), random_sae(256, 16, seed=1)
-    unused = {"layers.3.output": random_sae(256, 8, seed=2)}  # attached, read by no site
+    sae, other = random_sae(256, seed=0), random_sae(256, seed=1)
+    unused = {"layers.3.output": random_sae(256, seed=2)}  # attached, read by no site
     base = spec({"layers.1.output": sae, **unused}, K, [FEATURES])
     assert base["topk"] == K and base["sae_digest"] == {"layers.1.output": sae.digest}
     assert spec({"layers.1.output": sae}, K, [FEATURES]) == base
