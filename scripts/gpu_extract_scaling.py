@@ -63,7 +63,7 @@ def main() -> None:
     model, load = model_and_format(args.model)
     config = AutoConfig.from_pretrained(model)
     texts = prompt_texts(AutoTokenizer.from_pretrained(model), args.prompts, args.prompt_tokens)
-    case = extractions(int(config.num_hidden_layers), SPACED_LAYERS["cuda"])[EXTRACT_LAYERS_ALL]
+    case = extractions(config, SPACED_LAYERS["cuda"])[EXTRACT_LAYERS_ALL]
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []

@@ -18,6 +18,7 @@ import torch
 
 import vinterp
 from vinterp.api.extract_replicas import ReplicaError
+from vinterp.bench.bench_sae import random_sae
 
 pytestmark = pytest.mark.engine("tiny", releases=True)  # the replicas start their own
 
@@ -112,3 +113,27 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
     assert not left["complete"] and 0 < len(left["shards"]) < len(manifest(one_engine)["shards"])
     vinterp.extract(tiny_llama, PROMPTS, SITES, out, **KWARGS)  # one engine, here
     assert_same_dataset(out, one_engine)
+
+
+def test_replicas_load_the_sae_from_its_directory_and_write_one_engines_top_k(
+    tiny_llama: Any, tmp_path: Path
+) -> None:
+    """An SAE given as a directory is loaded in each replica: two replicas write the top-k
+    dataset one engine in this process writes, shard for shard."""
+    random_sae(256, seed=0).save(tmp_path / "sae")
+    sites = ["layers.1.output.sae.features"]
+    kwargs = {**KWARGS, "saes": {"layers.1.output": tmp_path / "sae"}, "topk": 8}
+    vinterp.extract(tiny_llama, PROMPTS[:48], sites, tmp_path / "one", **kwargs)
+    vinterp.extract(
+        tiny_llama, PROMPTS[:48], sites, tmp_path / "two", data_parallel_size=2, **kwargs
+    )
+    assert manifest(tmp_path / "two")["shards"] == manifest(tmp_path / "one")["shards"]
+    a, b = columns(tmp_path / "two"), columns(tmp_path / "one")
+    assert set(b) == {
+        "prompt",
+        "position",
+        "token",
+        *(f"{sites[0]}.{c}" for c in ("indices", "values")),
+    }
+    for name in b:
+        assert torch.equal(a[name], b[name]), name

@@ -13,6 +13,7 @@ import torch
 from eager_attention import eager_attentions
 
 import vinterp
+from vinterp.bench.bench_sae import random_sae
 
 pytestmark = pytest.mark.engine("bundled")
 
@@ -138,3 +139,26 @@ def test_induction_heads(llm, tmp_path) -> None:
     # a trained model has a few strong induction heads among many that are not
     assert float(scores.max()) > 0.5 > 5 * float(scores.median())
     assert_pngs(result["png"])
+
+
+def test_sae_features(llm, tmp_path, capsys) -> None:
+    """On a random SAE saved where examples/sae_training.py saves its own: the top features
+    returned and printed are `sae.topk` of the residual captured apart."""
+    module = example("sae_features")
+    sae = random_sae(576)
+    sae.save(tmp_path / "sae")
+    result = module.run(llm, tmp_path)
+    printed = capsys.readouterr().out
+    capture = vinterp.Capture(module.SITE, positions="all_prompt")
+    outs = llm.generate(module.PROMPTS, max_tokens=1, capture=capture)
+    for k, out in enumerate(outs):
+        want_indices, want_values = sae.topk(out.captures[module.SITE], module.TOPK)
+        indices, values = result["indices"][k], result["values"][k]
+        assert len(result["tokens"][k]) == len(indices) == len(want_indices)
+        torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(indices.sort().values, want_indices.sort().values)
+        top = f"{int(want_indices[-1, 0])}={float(want_values[-1, 0]):.2f}"
+        assert top in printed  # the last token's largest feature, as printed
+    assert_pngs(result["png"])
+    with pytest.raises(SystemExit, match="run examples/sae_training.py"):
+        module.run(llm, tmp_path / "empty")

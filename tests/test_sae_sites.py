@@ -3,13 +3,9 @@ checks that keep a graph from reading them directly or calling the SAE at a wron
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from vinterp.api.extract import expand_sites
 from vinterp.ir.graph import Graph, Invoke, Node, ref
-from vinterp.models.tiny import tiny_config
 from vinterp.sites.names import SiteName, SiteOrder, UnknownSiteError, parse_site, sae_site
 from vinterp.wire.errors import WireError
 from vinterp.wire.graph import from_wire, to_wire
@@ -68,11 +64,3 @@ def test_the_wire_checks_the_host_of_sae_calls(args, message) -> None:
     decode = Node("call", "model.sae_decode", [ref(0), "layers.1.output", ref(0)], {}, 0)
     good = _graph(read, decode)
     assert from_wire(good, SiteOrder(4)).nodes[1].target == "model.sae_decode"
-
-
-def test_extract_refuses_sae_sites_by_name() -> None:
-    with pytest.raises(ValueError, match="sparse autoencoder's site, which extract does not"):
-        expand_sites(
-            SimpleNamespace(**tiny_config("llama")),
-            ["layers.0.output", "layers.1.output.sae.features"],
-        )

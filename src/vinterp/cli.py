@@ -246,6 +246,8 @@ def _extract(args: argparse.Namespace) -> None:
             skip_first=args.skip_first,
             column=args.column,
             buffer_gb=args.buffer_gb,
+            saes=dict(args.sae),
+            topk=args.topk,
             **engine,
         )
     except (VinterpError, ValueError, TypeError, FileNotFoundError) as exc:
@@ -258,6 +260,16 @@ EXTRACT_ENGINE_ARGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "engine_dtype": "dtype",
 }
+
+
+def _sae(text: str) -> tuple[str, str]:
+    """SITE=DIR: an SAE directory (SAELens's format) to attach at a host site."""
+    site, equals, folder = text.partition("=")
+    if not (equals and site and folder):
+        raise argparse.ArgumentTypeError(
+            f"expected SITE=DIR, e.g. layers.10.output=./sae, got {text!r}"
+        )
+    return site, folder
 
 
 def _positions(text: str) -> str | list[int]:
@@ -510,6 +522,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     extract.add_argument(
         "--ray-address", default=None, help="a Ray cluster to run the replicas on (ray.init)"
+    )
+    extract.add_argument(
+        "--sae",
+        type=_sae,
+        action="append",
+        default=[],
+        metavar="SITE=DIR",
+        help="attach the SAE in DIR (SAELens's format) at SITE, e.g. layers.10.output=./sae; "
+        "repeat for several sites",
+    )
+    extract.add_argument(
+        "--topk",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="store each SAE features site (SITE.sae.features) as its K largest features per "
+        "token: columns SITE.sae.features.indices and .values",
     )
     extract.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     extract.set_defaults(run=_extract)

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -35,6 +35,13 @@ from vinterp.api.extract_plan import (
     check_positions,
     plan_shards,
 )
+from vinterp.api.extract_sae import (
+    SaeFacts,
+    check_sae_sites,
+    index_values,
+    sae_spec,
+    site_columns,
+)
 from vinterp.api.prompt_source import PromptSource, prompt_source
 from vinterp.api.requests import captured_tensors
 from vinterp.engine.backend import Captured, StreamingBackend, StreamRequest
@@ -42,9 +49,18 @@ from vinterp.engine.engine_limits import EngineLimits, engine_limits
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import HEAD_SITES, PATTERN, ROUTER_SITES, UnknownSiteError, parse_site
+from vinterp.sites.names import (
+    HEAD_SITES,
+    PATTERN,
+    ROUTER_SITES,
+    UnknownSiteError,
+    parse_site,
+    sae_site,
+)
 from vinterp.store import (
     COLUMN_DTYPE,
+    INDEX_DTYPE,
+    ROW_COLUMNS,
     STORED_DTYPES,
     WRITER_THREADS,
     ActivationStore,
@@ -79,13 +95,14 @@ TOKENIZE_CHUNK = 1024
 @dataclass(frozen=True)
 class EngineFacts:
     """What an extraction needs to know of its engine, also of engines in other processes
-    (data-parallel replicas): the model, the backend's name, the model's config and the
-    engine's limits."""
+    (data-parallel replicas): the model, the backend's name, the model's config, the
+    engine's limits and the SAEs attached (by host site)."""
 
     model_path: str
     backend: str
     config: Any
     limits: EngineLimits
+    saes: dict[str, SaeFacts] = field(default_factory=dict)
 
     @classmethod
     def of(cls, llm: Any) -> EngineFacts:
@@ -94,6 +111,7 @@ class EngineFacts:
             llm.backend.name,
             llm.config,
             engine_limits(llm.backend, llm.config),
+            {site: SaeFacts.of(sae) for site, sae in llm.saes.items()},
         )
 
 
@@ -135,6 +153,7 @@ class ExtractionRequest:
     skip_first: int = 0
     column: str = "text"
     buffer_gb: float = BUFFER_GB
+    topk: int | None = None
 
 
 def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
@@ -142,6 +161,8 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
     skip_first, buffer_gb = request.skip_first, request.buffer_gb
     positions = check_positions(request.positions, skip_first)
     sites = expand_sites(facts.config, request.sites)
+    topk = request.topk
+    check_sae_sites(sites, {host: sae.d_sae for host, sae in facts.saes.items()}, topk)
     limits = facts.limits
     dtype = request.dtype or limits.dtype
     if dtype not in STORED_DTYPES:
@@ -149,14 +170,14 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
     if not buffer_gb > 0:
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
     source = prompt_source(request.prompts, request.column)
-    spec = extraction_spec(facts, source, sites, positions, skip_first, dtype)
-    columns = store_columns(sites, dtype, spec["hidden_size"])
+    spec = extraction_spec(facts, source, sites, positions, skip_first, dtype, topk)
+    columns = store_columns(sites, dtype, spec["hidden_size"], topk)
     about = dataset_about(source, columns)
     shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
     size = shard_bytes(columns, buffer_gb)
     store = ActivationStore.open(request.out, spec, columns, size, about, shard_tokens)
     queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
-    return ExtractionJob(store, source, Capture(sites, positions=positions), queued)
+    return ExtractionJob(store, source, Capture(sites, positions=positions, topk=topk), queued)
 
 
 def extract_on(llm: Any, request: ExtractionRequest, use_tqdm: bool) -> Extraction:
@@ -222,15 +243,17 @@ def dataset_about(source: PromptSource, columns: Columns) -> dict[str, Any]:
     }
 
 
-def store_columns(sites: list[str], dtype: str, hidden_size: int) -> Columns:
+def store_columns(
+    sites: list[str], dtype: str, hidden_size: int, topk: int | None = None
+) -> Columns:
     """The dataset's columns: each row's prompt index, position and token id, then one
-    fixed-size column per site in the stored `dtype`."""
-    columns: Columns = {
-        "prompt": ("int64", None),
-        "position": ("int32", None),
-        "token": ("int32", None),
-    }
-    return columns | {site: (COLUMN_DTYPE[dtype], hidden_size) for site in sites}
+    fixed-size column per site in the stored `dtype` (an SAE's features with `topk`: an
+    indices and a values column, `topk` wide)."""
+    prompt, position, token = ROW_COLUMNS
+    columns: Columns = {prompt: ("int64", None), position: ("int32", None), token: ("int32", None)}
+    for site in sites:
+        columns |= site_columns(site, topk, COLUMN_DTYPE[dtype], hidden_size)
+    return columns
 
 
 def shard_bytes(columns: Columns, buffer_gb: float) -> int:
@@ -253,9 +276,13 @@ def engine_settings(
 ) -> dict[str, Any]:
     """`vinterp.LLM` keywords for an engine that extracts `sites` at `positions`: capture
     buffers at those sites, so capturing steps stay compiled (`vinterp extract` starts its
-    engine this way); one step's tokens each, or one row per sequence for last_prompt."""
-    rows = None if positions == "last_prompt" else "step"
-    return {"capture_in_graph": sites, "capture_in_graph_rows": rows}
+    engine this way); one step's tokens each, or one row per sequence for last_prompt. SAE
+    sites get none (their steps run uncompiled, API.md section 5): with no other site, the
+    settings are a default engine's."""
+    names = [sites] if isinstance(sites, str) else list(sites)
+    dense = [site for site in names if sae_site(site) is None]
+    rows = None if positions == "last_prompt" or not dense else "step"
+    return {"capture_in_graph": dense or False, "capture_in_graph_rows": rows}
 
 
 def extraction_spec(
@@ -265,6 +292,7 @@ def extraction_spec(
     positions: PositionSpec,
     skip_first: int,
     dtype: str,
+    topk: int | None = None,
 ) -> dict[str, Any]:
     """What decides the rows: a directory holding another spec is refused."""
     return {
@@ -280,6 +308,7 @@ def extraction_spec(
         "column_dtype": COLUMN_DTYPE[dtype],  # how the values are stored (bfloat16: its bits)
         "hidden_size": int(facts.config.hidden_size),
         "prompts": {"count": source.count, "sha256": source.sha256},
+        **sae_spec(sites, facts.saes, topk),
     }
 
 
@@ -439,7 +468,7 @@ def shard_columns(
         "position": np.concatenate([p.positions for p in prompts]),
         "token": np.concatenate([np.asarray(p.ids, np.int32)[p.positions] for p in prompts]),
     }
-    sites = [name for name, (_, width) in columns.items() if width is not None]
+    sites = store.manifest.spec["sites"]
     per_prompt = []
     for prompt, output, capture_id, n in zip(prompts, outputs, capture_ids, counts):
         assert output is not None
@@ -447,10 +476,12 @@ def shard_columns(
             rows.get(capture_id, {}), len(prompt.ids), len(output.token_ids), capture, sites
         )
         # The captured rows end with the selected ones (skip_first drops leading rows).
-        per_prompt.append({site: t[len(t) - n :] for site, t in tensors.items()})
+        per_prompt.append({name: t[len(t) - n :] for name, t in tensors.items()})
     stored = store.manifest.spec["dtype"]
-    for site in sites:
-        values[site] = column_values(joined([p[site] for p in per_prompt]), stored)
+    for name in per_prompt[0]:  # the site columns (an SAE's top-k: indices and values)
+        site_rows = joined([p[name] for p in per_prompt])
+        is_index = columns[name][0] == INDEX_DTYPE
+        values[name] = index_values(site_rows) if is_index else column_values(site_rows, stored)
     return values
 
 
@@ -493,15 +524,8 @@ def expand_sites(config: Any, sites: str | list[str]) -> list[str]:
         expanded = {site: None for pattern in names for site in order.expand(pattern)}
     except UnknownSiteError as exc:
         raise ValueError(f"sites: {exc}") from None
-    for site in expanded:  # the dataset's columns are rows of the hidden size
-        parsed = parse_site(site)
-        if parsed.sae:
-            raise ValueError(
-                f"sites: {site} is a sparse autoencoder's site, which extract does not store "
-                "yet; capture its top features with llm.generate(..., "
-                f"capture=vinterp.Capture({site!r}, topk=k))"
-            )
-        part = parsed.part
+    for site in expanded:  # rows of the hidden size, or an SAE's (extract_sae checks those)
+        part = parse_site(site).part
         if part in ROUTER_SITES or part in (*HEAD_SITES, PATTERN):
             kind = "a router" if part in ROUTER_SITES else "an attention head"
             raise ValueError(

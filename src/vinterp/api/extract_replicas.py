@@ -16,7 +16,7 @@ import contextlib
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from vinterp.api.extract import (
     ExtractionRequest,
     ExtractionStats,
     engine_settings,
+    expand_sites,
     extract_on,
     finish,
     load_dataset,
@@ -36,8 +37,11 @@ from vinterp.api.extract import (
     run_shards,
 )
 from vinterp.api.extract_plan import TOKENS, PositionSpec, Shard
+from vinterp.api.extract_sae import check_sae_sites, load_saes
 from vinterp.engine.cpu_settings import core_groups
 from vinterp.errors import VinterpError
+from vinterp.sae import SAE
+from vinterp.sites.names import sae_site
 from vinterp.store import ActivationStore, Columns, Manifest, ShardEntry
 
 # Prompt tokens sent to a replica and not yet reported written, in units of the tokens its
@@ -72,7 +76,7 @@ def check_replicas(data_parallel: int, tensor_parallel: int, gpus: float, on_gpu
 
 class ExtractReplica:
     """One engine replica (the class of a Ray actor): a `vinterp.LLM` with capture buffers at
-    the extracted sites."""
+    the extracted sites and the SAEs (directories, loaded here) attached."""
 
     def __init__(
         self,
@@ -81,12 +85,15 @@ class ExtractReplica:
         positions: PositionSpec,
         cores: list[int] | None,
         engine_kwargs: dict[str, Any],
+        saes: dict[str, SAE | str],
     ) -> None:
         from vinterp.api.llm import LLM
 
         if cores is not None:
             os.sched_setaffinity(0, cores)
         self.llm = LLM(model, **engine_settings(sites, positions), **engine_kwargs)
+        for site, sae in saes.items():
+            self.llm.attach_sae(site, sae if isinstance(sae, SAE) else SAE.load(sae))
 
     def facts(self) -> EngineFacts:
         return EngineFacts.of(self.llm)
@@ -137,6 +144,8 @@ def extract(
     skip_first: int = 0,
     column: str = "text",
     buffer_gb: float = BUFFER_GB,
+    saes: Mapping[str, SAE | str | Path] | None = None,
+    topk: int | None = None,
     use_tqdm: bool = True,
     **engine_kwargs: Any,
 ) -> Extraction:
@@ -144,18 +153,27 @@ def extract(
     dataset `out` as `llm.extract` writes them (API.md section 5), on `data_parallel_size`
     engine replicas of `tensor_parallel_size` GPUs each. One replica without `ray_address`
     runs in this process; otherwise the replicas are Ray actors, on the cluster at
-    `ray_address` or on one started here."""
+    `ray_address` or on one started here. `saes` ({host site: SAE or its directory}) are
+    checked here, before any engine starts, and attached in every replica (a directory is
+    loaded there); `topk` as in `llm.extract`."""
     check_replicas(data_parallel_size, tensor_parallel_size, 1, on_gpus=False)
     names = [sites] if isinstance(sites, str) else list(sites)
+    loaded = check_saes(model, names, saes or {}, topk)
     request = ExtractionRequest(
-        prompts, names, positions, out, dtype, skip_first, column, buffer_gb
+        prompts, names, positions, out, dtype, skip_first, column, buffer_gb, topk
     )
     kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
     if data_parallel_size == 1 and ray_address is None:
         from vinterp.api.llm import LLM
 
         with LLM(model, **engine_settings(names, positions), **kwargs) as llm:
+            for site, sae in loaded.items():
+                llm.attach_sae(site, sae)
             return extract_on(llm, request, use_tqdm)
+    sent = {  # directories travel as absolute paths: a replica may run elsewhere
+        site: sae if isinstance(sae, SAE) else str(Path(sae).resolve())
+        for site, sae in (saes or {}).items()
+    }
     import ray
 
     started_ray = not ray.is_initialized()
@@ -163,11 +181,34 @@ def extract(
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
         return _extract(
-            ray, str(model), request, data_parallel_size, tensor_parallel_size, use_tqdm, kwargs
+            ray,
+            str(model),
+            request,
+            data_parallel_size,
+            tensor_parallel_size,
+            use_tqdm,
+            kwargs,
+            sent,
         )
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def check_saes(
+    model: str | Path, sites: list[str], saes: Mapping[str, SAE | str | Path], topk: int | None
+) -> dict[str, SAE]:
+    """The SAEs loaded and checked, with the SAE sites and `topk`, against the model's
+    config: ValueError before any engine starts."""
+    from transformers import AutoConfig
+
+    if not saes and topk is None and not any(sae_site(site) for site in sites):
+        return {}
+    config = AutoConfig.from_pretrained(str(model))
+    loaded = load_saes(config, saes)
+    widths = {site: sae.d_sae for site, sae in loaded.items()}
+    check_sae_sites(expand_sites(config, sites), widths, topk)
+    return loaded
 
 
 def _extract(
@@ -178,6 +219,7 @@ def _extract(
     tensor_parallel: int,
     use_tqdm: bool,
     engine_kwargs: dict[str, Any],
+    saes: dict[str, SAE | str],
 ) -> Extraction:
     from ray.util.queue import Empty, Queue
     from transformers import AutoTokenizer
@@ -191,7 +233,7 @@ def _extract(
     sites, positions = request.sites, request.positions
     cores = core_groups(replicas)  # CPU engines: the replicas' workers on cores of their own
     handles = [
-        actor.remote(model, sites, positions, None if on_gpus else cores[r], engine_kwargs)
+        actor.remote(model, sites, positions, None if on_gpus else cores[r], engine_kwargs, saes)
         for r in range(replicas)
     ]
     try:

@@ -178,15 +178,19 @@ class LLM(LocalModel):
         skip_first: int = 0,
         column: str = "text",
         buffer_gb: float = BUFFER_GB,
+        topk: int | None = None,
         use_tqdm: bool = True,
     ) -> Extraction:
         """Write the activations at `sites` of every prompt's `positions` to a Hugging Face
         `datasets` directory `out`, streaming with bounded memory; a run stopped at any moment
         continues when called again with the same arguments (API.md section 5, "Activation
         datasets"). Returns the dataset (`.dataset`, `datasets.load_from_disk(out)`) and the
-        call's statistics (`.stats`: rows, bytes, seconds, the waits)."""
+        call's statistics (`.stats`: rows, bytes, seconds, the waits). An attached SAE's
+        `<site>.sae.features` are stored as their `topk` largest per token: columns
+        `<site>.sae.features.indices` and `.values` (API.md section 5, "Sparse
+        autoencoders")."""
         request = ExtractionRequest(
-            prompts, sites, positions, out, dtype, skip_first, column, buffer_gb
+            prompts, sites, positions, out, dtype, skip_first, column, buffer_gb, topk
         )
         return extract_on(self, request, use_tqdm)
 

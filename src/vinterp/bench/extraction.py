@@ -4,7 +4,9 @@ Face `datasets` directory on disk, timed against plain vLLM's prefill of the sam
 extraction with HF transformers and forward hooks into host memory, against the same
 prefill time. One engine is alive at a time; the HF model loads after the last engine is
 shut down. Each extraction row also says how long the store alone takes to write as many
-rows to the same disk (no engine): an extraction can be no faster than that or the prefill."""
+rows to the same disk (no engine): an extraction can be no faster than that or the prefill.
+The SAE row stores the top-k features of the bench's SAE (`bench_sae`) and gives the
+dataset's size against the dense rows of its host site."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +30,7 @@ from vinterp.api.extract import (
     shard_bytes,
     store_columns,
 )
+from vinterp.bench.bench_sae import EXPANSION, TOPK, host_site, saved_sae
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -42,13 +45,16 @@ from vinterp.bench.workloads import (
     EXTRACT_HF,
     EXTRACT_LAYERS_ALL,
     EXTRACT_LAYERS_LAST,
+    EXTRACT_SAE,
     EXTRACTION,
     PROMPT_TEMPLATE,
     plain_vllm,
     vinterp_engine,
 )
 from vinterp.engine.plain_vllm import greedy_params
+from vinterp.sites.names import parse_site
 from vinterp.store import (
+    COLUMN_DTYPE,
     WRITER_THREADS,
     ActivationStore,
     Columns,
@@ -70,13 +76,19 @@ GB = 1e9
 @dataclass(frozen=True)
 class ExtractionCase:
     """One extraction row: what `llm.extract` is asked for, and the same in layer indices
-    for the HF peer."""
+    for the HF peer (or the host layer of an SAE's features, kept `topk` per token)."""
 
     key: str
     name: str
     sites: list[str]
     positions: str  # all_prompt or last_prompt
     layers: list[int]
+    topk: int | None = None
+
+    def columns(self, dtype: str, hidden: int) -> Columns:
+        """The dataset's columns (for the store-alone time)."""
+        sites = self.sites if self.topk else [f"layers.{i}.output" for i in self.layers]
+        return store_columns(sites, dtype, hidden, self.topk)
 
 
 def spaced_layers(n_layers: int, count: int) -> list[int]:
@@ -85,8 +97,12 @@ def spaced_layers(n_layers: int, count: int) -> list[int]:
     return [(2 * i + 1) * n_layers // (2 * count) for i in range(count)]
 
 
-def extractions(n_layers: int, spaced: int) -> dict[str, ExtractionCase]:
+def extractions(config: Any, spaced: int) -> dict[str, ExtractionCase]:
+    """The extraction rows of a model of `config`, `spaced` layers in extract_layers_all."""
+    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
     layers = spaced_layers(n_layers, spaced)
+    host = host_site(config)
+    features = f"{host}.sae.features"
     return {
         EXTRACT_LAYERS_ALL: ExtractionCase(
             EXTRACT_LAYERS_ALL,
@@ -101,6 +117,15 @@ def extractions(n_layers: int, spaced: int) -> dict[str, ExtractionCase]:
             ["layers.*.output"],
             "last_prompt",
             list(range(n_layers)),
+        ),
+        EXTRACT_SAE: ExtractionCase(
+            EXTRACT_SAE,
+            f"extract top-{TOPK} of {features} (SAE of {EXPANSION * hidden}), every prompt "
+            "position",
+            [features],
+            "all_prompt",
+            [parse_site(host).layer],
+            TOPK,
         ),
     }
 
@@ -185,21 +210,22 @@ def run(
     texts = prompt_texts(tokenizer, prompts, prompt_tokens)
     ids = tokenizer(texts).input_ids
     tokens = sum(map(len, ids))
-    every = extractions(int(config.num_hidden_layers), SPACED_LAYERS[device_kind()])
+    hidden = int(config.hidden_size)
+    every = extractions(config, SPACED_LAYERS[device_kind()])
     ours = [every[key] for key in chosen if key in every]
     size = f" ({len(texts)}x{prompt_tokens} prompt tokens)"
     rows: list[Row] = []
     with scratch(extract_dir) as root:
         plain = plain_prefill(model, dtype, texts, repeats, **engine_kwargs)
         times: dict[str, Timing] = {}
-        hidden = int(config.hidden_size)
         for x in ours:
-            timing, written, count, stats = time_extract(
-                model, dtype, texts, x, repeats, root, **engine_kwargs
-            )
+            with saved_sae(hidden, root) if x.topk else nullcontext() as sae:
+                saes = {host_site(config): sae} if sae is not None else {}
+                timing, written, count, stats = time_extract(
+                    model, dtype, texts, x, repeats, root, saes, **engine_kwargs
+                )
             times[x.key] = timing
-            columns = store_columns([f"layers.{i}.output" for i in x.layers], dtype, hidden)
-            alone = time_store_alone(root, columns, count, repeats)
+            alone = time_store_alone(root, x.columns(dtype, hidden), count, repeats)
             extras = {
                 "gb_written": written / GB,
                 "gb_per_s": written / GB / timing.median,
@@ -207,14 +233,24 @@ def run(
                 "engine_waited_s": stats.engine_waited_s,
                 "writers_waited_s": stats.writers_waited_s,
             }
+            if x.topk:
+                extras |= dense_size(written, count, hidden, dtype)
             rows.append(Row(x.name + size, plain, timing, target(x.key), x.key, tokens, extras))
             progress(x.key)
     if EXTRACT_HF in selected:
-        peer = ours or list(every.values())
+        dense = [x for x in every.values() if not x.topk]  # the peer extracts residuals
+        peer = [x for x in ours if not x.topk] or dense
         dummy = engine_kwargs.get("load_format") == "dummy"
         rows += hf_rows(model, dtype, ids, peer, repeats, plain, times, dummy, size)
         progress(EXTRACT_HF)
     return rows
+
+
+def dense_size(written: int, rows: int, hidden: int, dtype: str) -> dict[str, float]:
+    """The dense rows of the host site that the same rows would take (rows x hidden x the
+    stored dtype's size, as `extract_layers_all` stores a site), and `written` over that."""
+    dense = rows * hidden * np.dtype(COLUMN_DTYPE[dtype]).itemsize
+    return {"dense_gb": dense / GB, "size_vs_dense": written / dense}
 
 
 def warm_up(prompts: list[Any]) -> list[Any]:
@@ -242,23 +278,26 @@ def time_extract(
     x: ExtractionCase,
     repeats: int,
     root: Path,
+    saes: dict[str, Path],
     **engine_kwargs: Any,
 ) -> tuple[Timing, int, int, ExtractionStats]:
     """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
-    sites, each run into a fresh directory under `root` that is deleted after the run (not
-    timed); the bytes of site values one run wrote, its rows, and the statistics of the
-    timed run of median time."""
+    sites (and the SAE directories `saes` attached), each run into a fresh directory under
+    `root` that is deleted after the run (not timed); the bytes of site values one run
+    wrote, its rows, and the statistics of the timed run of median time."""
     written: list[int] = []
     count: list[int] = []
     stats: list[ExtractionStats] = []
     runs: list[Path] = []
     kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
-    with vinterp_engine(model, dtype, **kwargs) as llm:
+    with vinterp_engine(model, dtype, saes, **kwargs) as llm:
 
         def extract(prompts: list[str] = texts) -> None:
             runs.append(Path(tempfile.mkdtemp(prefix="run-", dir=root)))
             out = runs[-1] / "acts"
-            result = llm.extract(prompts, x.sites, x.positions, out=out, use_tqdm=False)
+            result = llm.extract(
+                prompts, x.sites, x.positions, out=out, topk=x.topk, use_tqdm=False
+            )
             written.append(payload_bytes(result.dataset, x.sites))
             count.append(result.dataset.num_rows)
             stats.append(result.stats)

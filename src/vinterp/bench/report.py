@@ -76,6 +76,8 @@ def _percent(value: float) -> str:
 EXTRAS: dict[str, str | None] = {
     "gb_written": "{:.3g} GB written",
     "gb_per_s": "{:.3g} GB/s",
+    "dense_gb": "{:.3g} GB as dense rows",
+    "size_vs_dense": "{:.3f}x the dense size",
     "store_alone_s": "the store alone writes them in {:.3g} s",
     "producer_s": "the producer alone takes {:.3g} s",
     "engine_waited_s": "the engine waited {:.3g} s for the writers",

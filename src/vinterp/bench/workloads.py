@@ -5,7 +5,7 @@ asked to keep them together (`time_engines`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from vinterp.bench import extract_pipeline, pipeline, serve_load, step_cost, trace_invokes
+from vinterp.bench.bench_sae import TOPK, attach_saved, host_site, saved_sae
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -44,7 +45,9 @@ VINTERP_KEYS = (
     "capture_qk",
     "capture_pattern",
     "capture_router",
+    "sae_capture_topk",
 )
+SAE_CAPTURE = "sae_capture_topk"  # its engine gets the bench's SAE (bench_sae)
 PATTERN_HEADS = [0, 1, 2, 3]  # the capture_pattern row's heads
 # Rows of one-worker engines, and all row keys `vinterp bench --workloads` selects from
 ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
@@ -53,7 +56,8 @@ ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
 EXTRACT_LAYERS_ALL = "extract_layers_all"
 EXTRACT_LAYERS_LAST = "extract_layers_last"
 EXTRACT_HF = "extract_hf_hooks"
-EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_HF)
+EXTRACT_SAE = "extract_sae_topk"  # an SAE's top-k features at every prompt position
+EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_SAE, EXTRACT_HF)
 WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL, *EXTRACTION)
 # Rows run only when `--workloads` names them (the serve load test takes 15 minutes or more),
 # and every row `--workloads` selects from
@@ -100,12 +104,16 @@ def plain_vllm(
 
 
 @contextmanager
-def vinterp_engine(model: str | Path, dtype: str, **engine_kwargs: Any) -> Iterator[Any]:
-    """A `vinterp.LLM`, shut down (and memory freed) when the block ends."""
+def vinterp_engine(
+    model: str | Path, dtype: str, saes: dict[str, Path] | None = None, **engine_kwargs: Any
+) -> Iterator[Any]:
+    """A `vinterp.LLM` with the SAE directories `saes` attached at their sites, shut down
+    (and memory freed) when the block ends."""
     import vinterp
 
     llm = vinterp.LLM(model, dtype=dtype, **engine_kwargs)
     try:
+        attach_saved(llm, saes or {})
         yield llm
     finally:
         llm.shutdown()
@@ -195,7 +203,8 @@ def plain_engine(
 
 def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
     """(key, name, generate kwargs) of the steering and capture rows; the per-head rows on
-    models with per-head sites, the router row on mixture-of-experts models."""
+    models with per-head sites, the router row on mixture-of-experts models, the SAE row on
+    an engine with the bench's SAE attached."""
     import vinterp
     from vinterp.sites.modules import heads_of, router_of
 
@@ -238,7 +247,23 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
         ),
         *(per_head if heads_of(llm.config) is not None else []),
         *(router if router_of(llm.config) is not None else []),
+        *sae_workloads(llm),
     ]
+
+
+def sae_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """The SAE capture row where the bench's SAE is attached: its top-TOPK features at every
+    position (the worker encodes each captured row)."""
+    import vinterp
+
+    host = host_site(llm.config)
+    sae = llm.saes.get(host)
+    if sae is None:
+        return []
+    features = f"{host}.sae.features"
+    capture = vinterp.Capture(features, positions="all", topk=TOPK)
+    name = f"capture top-{TOPK} of {features} (SAE of {sae.d_sae}), all positions"
+    return [(SAE_CAPTURE, name, {"capture": capture})]
 
 
 def vinterp_generations(
@@ -387,13 +412,18 @@ def one_worker_rows(
     if eager:
         name = "plain vLLM enforce_eager=True" + size
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
-    for in_graph in routes:
-        start = partial(vinterp_engine, model, dtype, capture_in_graph=in_graph, **engine_kwargs)
-        suffix = IN_GRAPH if in_graph else ""
-        engines.append(
-            vinterp_bench_engine(start, texts, max_tokens, selected, invokes, repeats, suffix)
-        )
-    workloads, timings, extra = time_engines(engines, repeats, together)
+    config = checkpoint_config(model)
+    with saved_sae(int(config.hidden_size)) if SAE_CAPTURE in selected else nullcontext() as sae:
+        saes = {host_site(config): sae} if sae is not None else None
+        for in_graph in routes:
+            start = partial(
+                vinterp_engine, model, dtype, saes, capture_in_graph=in_graph, **engine_kwargs
+            )
+            suffix = IN_GRAPH if in_graph else ""
+            engines.append(
+                vinterp_bench_engine(start, texts, max_tokens, selected, invokes, repeats, suffix)
+            )
+        workloads, timings, extra = time_engines(engines, repeats, together)
     return compare(plain, workloads, timings, len(texts) * max_tokens) + extra
 
 

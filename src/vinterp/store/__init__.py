@@ -7,6 +7,8 @@ from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.manifest import Manifest, ShardEntry, SpecMismatchError, StoreError
 from vinterp.store.values import (
     COLUMN_DTYPE,
+    INDEX_DTYPE,
+    ROW_COLUMNS,
     STORED_DTYPES,
     column_values,
     site_shards,
@@ -16,6 +18,8 @@ from vinterp.store.writer import WRITER_THREADS, PendingShard, ShardWriter
 
 __all__ = [
     "COLUMN_DTYPE",
+    "INDEX_DTYPE",
+    "ROW_COLUMNS",
     "STORED_DTYPES",
     "WRITER_THREADS",
     "ActivationStore",

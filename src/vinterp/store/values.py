@@ -1,7 +1,8 @@
 """Site values in a dataset's columns, bit for bit in the stored dtype. Arrow has no bfloat16:
 a bfloat16 value is stored as its 2-byte bit pattern in a uint16 column, and `site_tensor`
 reads a column back as a torch tensor of the stored dtype (`site_shards`: one memory-mapped
-tensor per shard)."""
+tensor per shard). An SAE's top-k features are two columns, `<site>.indices` (int32) and
+`<site>.values` (the stored dtype)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from vinterp.store.manifest import MANIFEST, Manifest
 STORED_DTYPES = ("float32", "float16", "bfloat16")
 # The Arrow (numpy) dtype of a site column per stored dtype.
 COLUMN_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+INDEX_DTYPE = "int32"  # the column of an SAE's top-k feature indices
+ROW_COLUMNS = ("prompt", "position", "token")  # a row's own columns, before the sites'
 
 
 def column_values(tensor: torch.Tensor, dtype: str) -> np.ndarray:
@@ -35,7 +38,9 @@ def column_values(tensor: torch.Tensor, dtype: str) -> np.ndarray:
 
 def site_tensor(data: str | Path | Any, site: str) -> torch.Tensor:
     """The (rows, H) values of one site of a dataset directory, in its stored dtype
-    (`manifest.json`'s spec "dtype"; bfloat16 from its stored bits), rows in stored order.
+    (`manifest.json`'s spec "dtype"; bfloat16 from its stored bits), rows in stored order;
+    for an SAE's top-k columns (`<site>.indices`, `<site>.values`) (rows, k), the indices
+    as int32.
 
     `data` is the directory, or a `datasets.Dataset` loaded from it with all its rows in
     order. A dataset of one shard gives a tensor over the memory-mapped file without a copy
@@ -54,9 +59,14 @@ def site_shards(data: str | Path | Any, site: str) -> list[torch.Tensor]:
     dtype = manifest.spec.get("dtype")
     if dtype not in STORED_DTYPES:
         raise ValueError(f"{root}: the manifest's spec has dtype {dtype!r}, not a stored dtype")
-    sites = list(manifest.spec.get("sites", []))
+    spec_sites = list(manifest.spec.get("sites", []))
+    # the site columns as the manifest lists them (an SAE's features: its top-k pair)
+    listed = manifest.about.get("columns") or dict.fromkeys(spec_sites, COLUMN_DTYPE[dtype])
+    sites = [name for name in listed if name not in ROW_COLUMNS]
     if site not in sites:
         raise KeyError(f"{root} has no site {site!r}; its sites: {', '.join(sites)}")
+    if listed[site] == INDEX_DTYPE:
+        dtype = INDEX_DTYPE
     if not isinstance(data, (str, Path)):
         rows = manifest.totals()["rows"]
         if len(data) != rows or getattr(data, "_indices", None) is not None:
@@ -69,7 +79,7 @@ def site_shards(data: str | Path | Any, site: str) -> list[torch.Tensor]:
         for shard in manifest.shards
         for chunk in read_shard(root / shard.file).column(site).chunks
     ]
-    width = int(manifest.spec["hidden_size"])
+    width = int(manifest.spec["hidden_size"] if site in spec_sites else manifest.spec["topk"])
     return pieces or [torch.empty((0, width), dtype=getattr(torch, dtype))]
 
 
@@ -100,7 +110,7 @@ def read_shard(path: Path) -> pa.Table:
 
 def chunk_tensor(chunk: pa.Array, dtype: str, path: Path) -> torch.Tensor:
     """One Arrow chunk of a site column as a (rows, H) tensor over the same memory."""
-    want = pa.from_numpy_dtype(np.dtype(COLUMN_DTYPE[dtype]))
+    want = pa.from_numpy_dtype(np.dtype(COLUMN_DTYPE.get(dtype, dtype)))
     if not pa.types.is_fixed_size_list(chunk.type) or chunk.type.value_type != want:
         raise ValueError(
             f"{path}: the column holds {chunk.type}, expected fixed-size lists of {want} for "
