@@ -78,6 +78,8 @@ def _bench(args: argparse.Namespace) -> None:
         engine_kwargs["load_format"] = load_format
     if args.tensor_parallel_size:
         engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.gpu_memory_utilization:
+        engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     dtype = engine_workloads.resolve_dtype(model, args.dtype)
     quick = QUICK if args.quick else FULL
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in quick.items()}
@@ -376,6 +378,12 @@ def main(argv: list[str] | None = None) -> None:
         "--setup-peers",
         action="store_true",
         help="(re)build the peers' environments from the package index, then stop",
+    )
+    bench.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="every engine's share of its GPU (vLLM's option): lower it to time beside another run",
     )
     bench.add_argument(
         "--max-model-len",

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from vinterp.bench import extract_pipeline, pipeline, serve_load, step_cost, trace_invokes
-from vinterp.bench.bench_sae import TOPK, attach_saved, host_site, saved_sae
+from vinterp.bench.bench_sae import (
+    CLAMP_TABLE,
+    CLAMPED,
+    TOPK,
+    attach_saved,
+    host_site,
+    saved_sae,
+)
 from vinterp.bench.harness import (
     REFERENCE,
     Row,
@@ -46,8 +53,11 @@ VINTERP_KEYS = (
     "capture_pattern",
     "capture_router",
     "sae_capture_topk",
+    "sae_clamp",
 )
 SAE_CAPTURE = "sae_capture_topk"  # its engine gets the bench's SAE (bench_sae)
+# every request clamps features of the bench's SAE (its engine's steering tables hold them)
+SAE_CLAMP = "sae_clamp"
 PATTERN_HEADS = [0, 1, 2, 3]  # the capture_pattern row's heads
 # Rows of one-worker engines, and all row keys `vinterp bench --workloads` selects from
 ONE_WORKER = (EAGER, *VINTERP_KEYS, trace_invokes.KEY)
@@ -252,8 +262,9 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def sae_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """The SAE capture row where the bench's SAE is attached: its top-TOPK features at every
-    position (the worker encodes each captured row)."""
+    """The SAE rows where the bench's SAE is attached: its top-TOPK features captured at
+    every position (the worker encodes each captured row), and its features clamped in every
+    request (compiled steering tables)."""
     import vinterp
 
     host = host_site(llm.config)
@@ -262,8 +273,19 @@ def sae_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
         return []
     features = f"{host}.sae.features"
     capture = vinterp.Capture(features, positions="all", topk=TOPK)
-    name = f"capture top-{TOPK} of {features} (SAE of {sae.d_sae}), all positions"
-    return [(SAE_CAPTURE, name, {"capture": capture})]
+    clamp = vinterp.Steering({features: CLAMPED}, mode="clamp")
+    return [
+        (
+            SAE_CAPTURE,
+            f"capture top-{TOPK} of {features} (SAE of {sae.d_sae}), all positions",
+            {"capture": capture},
+        ),
+        (
+            SAE_CLAMP,
+            f"clamp {len(CLAMPED)} features of {features} (SAE of {sae.d_sae})",
+            {"steering": clamp},
+        ),
+    ]
 
 
 def vinterp_generations(
@@ -413,7 +435,10 @@ def one_worker_rows(
         name = "plain vLLM enforce_eager=True" + size
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
     config = checkpoint_config(model)
-    with saved_sae(int(config.hidden_size)) if SAE_CAPTURE in selected else nullcontext() as sae:
+    with_sae = bool(selected & {SAE_CAPTURE, SAE_CLAMP})
+    if SAE_CLAMP in selected:  # the other rows of this engine then pay for the tables too
+        engine_kwargs = {**engine_kwargs, "sae_clamp_features": CLAMP_TABLE}
+    with saved_sae(int(config.hidden_size)) if with_sae else nullcontext() as sae:
         saes = {host_site(config): sae} if sae is not None else None
         for in_graph in routes:
             start = partial(
