@@ -14,7 +14,7 @@ from vinterp.ir.plan import PlanError, make_plan
 from vinterp.runtime.executor import TraceRun
 from vinterp.runtime.request_tracking import TrackedRequest
 from vinterp.runtime.trace_dispatch import TraceDispatch
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import Heads, SiteOrder
 
 ORDER = SiteOrder(2)
 SITES = ["embed.output", "layers.0.output", "layers.1.output"]
@@ -163,3 +163,28 @@ def test_a_write_from_a_later_position_is_refused(late) -> None:
     with pytest.raises(PlanError, match="position 0") as info:
         make_plan(g, ORDER)
     assert info.value.out_of_order
+
+
+def test_an_indexed_pattern_computes_only_the_rows_it_picks() -> None:
+    """`llm.layers[i].attn.pattern[:, -1]` of a long prompt: the last query's row of every
+    head, never the whole (heads, T, T) pattern (at 32k tokens it would not fit a GPU)."""
+    from vinterp.sites.attention_pattern import Pattern, PatternMath
+
+    class RowsOnly(Pattern):
+        def full(self) -> torch.Tensor:
+            raise AssertionError("the whole pattern was computed")
+
+    g = Graph(invokes=[Invoke(list(range(PROMPT)), {"max_tokens": 1})])
+    read = g.add(Node("read", "layers.1.attn.pattern", [], {}, 0))
+    index = {"tuple": True, "items": [{"slice": [None, None, None]}, -1]}
+    row = g.add(Node("call", "op.getitem", [ref(read), index], {}, 0))
+    g.saves = [row]
+    order = SiteOrder(2, heads=Heads(heads=4, kv_heads=2, head_dim=8))
+    run = TraceRun(g, make_plan(g, order), {})
+    gen = torch.Generator().manual_seed(1)
+    query, keys = torch.randn(PROMPT, 4, 8, generator=gen), torch.randn(PROMPT, 2, 8, generator=gen)
+    pattern = RowsOnly(query, keys, torch.arange(PROMPT), PatternMath(scale=8**-0.5))
+    run.at_site(0, 0, "layers.1.attn.pattern", pattern)
+    assert run.failure is None, run.failure
+    want = Pattern(query, keys, torch.arange(PROMPT), PatternMath(scale=8**-0.5)).full()[:, -1]
+    torch.testing.assert_close(run.results()[row], want)

@@ -258,7 +258,7 @@ class TraceRun:
         if node.kind == "const":
             result = self.graph.tensors[node.args[0]]
         elif node.kind == "call":
-            lazy = node.target == "getitem"
+            lazy = node.target == "op.getitem"
             args = [
                 decode_arg(a, lambda r, rows=lazy and i == 0: self.value(r, step, rows))
                 for i, a in enumerate(node.args)
