@@ -17,7 +17,8 @@ def test_every_vinterp_row_runs_on_one_engine(engines) -> None:
     """The bench's vinterp engine (as `one_worker_rows` builds it) on the live shared engine."""
     llm = engines.vllm()
     keys = {*engine_workloads.VINTERP_KEYS, trace_invokes.KEY}
-    dense = [key for key in engine_workloads.VINTERP_KEYS if key != "capture_router"]
+    elsewhere = ("capture_router", engine_workloads.SAE_CAPTURE, engine_workloads.SAE_CLAMP)
+    dense = [key for key in engine_workloads.VINTERP_KEYS if key not in elsewhere]
     assert [key for key, _, _ in engine_workloads.vinterp_workloads(llm)] == dense
     texts = ["The capital of France is", "One, two,"]
     engine = engine_workloads.vinterp_bench_engine(

@@ -144,7 +144,7 @@ def cross_stage(llm) -> dict:
     with llm.trace(PROMPTS[2], max_tokens=3) as tr:  # attention patterns on each stage
         out["pattern 0"] = llm.layers[0].attn.pattern.save()
         weight = llm.layers[0].attn.pattern[2, -1, 0]  # a first-stage row used on the last
-        llm.layers[3].output = llm.layers[3].output * (1 + 4 * weight)
+        llm.layers[3].output[-1] = llm.layers[3].output[-1] * (1 + 4 * weight)
         rows = []
         for _ in tr.iter[2]:  # over keys kept from steps 0 and 1
             rows.append(llm.layers[3].attn.pattern[:, -1].save())

@@ -126,10 +126,12 @@ class TraceDispatch:
         trace_id, invoke = req.trace  # type: ignore[misc]
         run = self.traces[trace_id]
         first, done = req.num_computed, run.done.get(invoke, 0)
-        if first > done:
+        step = req.step(end - start)
+        if first > done and step == 0:  # prompt positions the trace never saw
             if run.failure is None:
                 run.failure = Failure("", _uncomputed_prefix(req, invoke), invoke, 0)
             return
+        done = max(done, first)  # steps it had no work in ran compiled: nothing to replay
         fresh = start + min(end - start, done - first)
         if fresh > start:
             replay = Replay(run, invoke, start, fresh, first)
@@ -138,7 +140,6 @@ class TraceDispatch:
         if fresh == end:
             return
         begin = first + fresh - start
-        step = req.step(end - start)
         if step == 0:
             run.begin_chunk(invoke, begin, begin + end - fresh)
         run.done[invoke] = begin + end - fresh
