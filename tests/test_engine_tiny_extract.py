@@ -16,6 +16,7 @@ from typing import Any
 import datasets
 import pytest
 import torch
+from killed_extract import KILLED_RUN
 
 from vinterp.api import extract as extract_module
 from vinterp.api.extract import engine_settings
@@ -38,22 +39,6 @@ SITES = ["layers.1.output", "layers.3.output"]
 # Shards of about two prompts of the tiny model (2 sites x 256 floats a row), so the runs
 # below write several.
 SMALL_BUFFER_GB = 1.6e-4
-
-# Runs `vinterp extract` and dies by SIGKILL when the manifest is about to list a third shard:
-# its file is in place but not listed, the worst moment of a commit.
-KILLED_RUN = """
-import os, signal, sys
-from vinterp import cli
-from vinterp.store.directory import ActivationStore
-
-save = ActivationStore.save
-def dying_save(self):
-    if len(self.manifest.shards) >= 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-    save(self)
-ActivationStore.save = dying_save
-cli.main(sys.argv[1:])
-"""
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 import datasets
 import pytest
 import torch
+from killed_extract import KILLED_RUN
 
 import vinterp
 from vinterp.api.extract import engine_settings
@@ -40,22 +41,6 @@ PROMPTS = [
     "The capital of Spain is",
 ]
 KWARGS = {"skip_first": 1, "buffer_gb": 1.6e-4, "topk": K, "use_tqdm": False}  # ~1 prompt a shard
-
-# `vinterp extract`, killed by SIGKILL when the manifest is about to list a third shard (its
-# file in place but not listed, the worst moment of a commit).
-KILLED_RUN = """
-import os, signal, sys
-from vinterp import cli
-from vinterp.store.directory import ActivationStore
-
-save = ActivationStore.save
-def dying_save(self):
-    if len(self.manifest.shards) >= 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-    save(self)
-ActivationStore.save = dying_save
-cli.main(sys.argv[1:])
-"""
 
 
 @pytest.fixture(scope="module")
