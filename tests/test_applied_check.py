@@ -16,7 +16,6 @@ from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
-from vinterp.interventions.tables import SiteCapture
 from vinterp.sites.names import SiteOrder, is_steerable
 from vinterp.wire.specs import Steering
 
@@ -68,7 +67,7 @@ def test_the_compiled_ops_count_exactly_the_rows_they_change() -> None:
         return gm.forward
 
     def model(x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([steer(torch.tensor([i]), x) for i in range(len(ORDER.sites))])
+        return torch.stack([steer(i, torch.tensor([i]), x) for i in range(len(ORDER.sites))])
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(0)
@@ -114,9 +113,7 @@ def test_a_site_that_did_not_run_is_reported() -> None:
     )
     assert not state.plan([SteeredRequest("a", 0, 3, RequestSteering((spec,), 3))])
     state.write(lambda: [("a", 0, 3)], 3)
-    capture.write(
-        {site: SiteCapture(torch.tensor([2]), []), missing: SiteCapture(torch.tensor([2]), [])}
-    )
+    capture.write({site: torch.tensor([2]), missing: torch.tensor([2])})
     capture.active = True
     check.begin()
     x = torch.zeros(3, H)
@@ -124,7 +121,7 @@ def test_a_site_that_did_not_run_is_reported() -> None:
         if site_id != missing:
             check.visit(site_id)
             site_index = torch.tensor([site_id])
-            capture(site_id, site_index, steer(site_index, x))
+            capture(site_id, site_index, steer(site_id, site_index, x))
     check.end(7, True, state.steered_per_site(), [site, missing])
     messages = check.take()
     assert messages == [

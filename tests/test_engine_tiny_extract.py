@@ -84,7 +84,11 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
     engines.release()  # one engine at a time: the killed run starts its own
     killed = tmp_path / "killed"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, *extract_args(tiny_llama, prompts_file, killed)],
+        [
+            *(sys.executable, "-c", KILLED_RUN),
+            *extract_args(tiny_llama, prompts_file, killed),
+            *("--engine-dtype", "float32"),  # the checkpoint's, named: resumed by `llm` below
+        ],
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine dies with it
         capture_output=True,
         text=True,

@@ -83,7 +83,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_top_k_dataset_equal_to_the_sa
     llm.attach_sae(HOST, sae)
     llm.extract(prompts, SITES, out=killed, **KWARGS)
     whole = tmp_path / "whole"
+    before = llm.step_stats()
     llm.extract(prompts, SITES, out=whole, **KWARGS)
+    after = llm.step_stats()  # the host's capture buffer gathered: the steps stayed compiled
+    assert after["uncompiled_steps"] == before["uncompiled_steps"]
+    assert after["graph_capture_steps"] > before["graph_capture_steps"]
     assert manifest(killed)["shards"] == manifest(whole)["shards"]
     assert len(manifest(whole)["shards"]) >= 4
     assert manifest(whole)["spec"]["sae_digest"] == {HOST: sae.digest}

@@ -167,10 +167,15 @@ def test_captured_top_k_rows_become_an_index_and_a_value_column(tmp_path: Path) 
         site_tensor(tmp_path, FEATURES)
 
 
-def test_sae_sites_get_no_capture_buffer() -> None:
-    """Their steps run uncompiled: only the dense sites of the run keep buffers."""
+def test_an_sae_site_is_buffered_at_its_host() -> None:
+    """The compiled model gathers the host's rows; the worker encodes them after the step."""
+    host = "layers.1.output"
     assert engine_settings([FEATURES, DENSE]) == {
-        "capture_in_graph": [DENSE],
+        "capture_in_graph": [host, DENSE],
         "capture_in_graph_rows": "step",
     }
-    assert engine_settings(FEATURES) == {"capture_in_graph": False, "capture_in_graph_rows": None}
+    assert engine_settings([FEATURES, host, f"{host}.sae.error"]) == {
+        "capture_in_graph": [host],
+        "capture_in_graph_rows": "step",
+    }
+    assert engine_settings(FEATURES, "last_prompt")["capture_in_graph_rows"] is None

@@ -53,9 +53,9 @@ def request(req_id: str, positions: range, prompt_len: int, specs: list) -> Stee
     )
 
 
-def site_index(site: str) -> torch.Tensor:
-    """The site's id as the one-element tensor the model's site ops index with."""
-    return torch.tensor([ORDER[site]])
+def site_index(site: str) -> tuple[int, torch.Tensor]:
+    """The site's id, and as the one-element tensor the model's site ops index with."""
+    return ORDER[site], torch.tensor([ORDER[site]])
 
 
 def buffers(max_rows: int = 8) -> SteerBuffers:
@@ -66,7 +66,7 @@ def steered(state: SteeringPlanner, requests, layout, num_tokens, x, site=SITE) 
     """Plan and write one step, then apply the buffers to x at `site` (reference: by hand)."""
     assert not state.plan(requests)
     state.write(lambda: layout, num_tokens)
-    return state.buffers(site_index(site), x)
+    return state.buffers(*site_index(site), x)
 
 
 def test_steering_rows_follow_phase_positions_and_requests() -> None:
@@ -84,11 +84,11 @@ def test_steering_rows_follow_phase_positions_and_requests() -> None:
     assert out[:, 0].tolist() == [0.0, 2.0, 0.0]
     # other sites, and a step with no steering, add exactly nothing
     assert torch.equal(
-        state.buffers(site_index("layers.0.output"), torch.ones(3, H)), torch.ones(3, H)
+        state.buffers(*site_index("layers.0.output"), torch.ones(3, H)), torch.ones(3, H)
     )
     assert not state.plan([])
     state.write(lambda: [("a", 0, 3)], 3)
-    assert torch.equal(state.buffers(site_index(SITE), torch.ones(3, H)), torch.ones(3, H))
+    assert torch.equal(state.buffers(*site_index(SITE), torch.ones(3, H)), torch.ones(3, H))
 
 
 def test_norm_match_scales_with_each_rows_norm() -> None:
@@ -105,7 +105,7 @@ def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> N
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]
     assert state.plan(requests)  # 3 vectors + the zero row do not fit 2 rows
     state.write(lambda: [(str(i), i, i + 1) for i in range(3)], 3)
-    out = state.buffers(site_index(SITE), torch.zeros(3, H))
+    out = state.buffers(*site_index(SITE), torch.zeros(3, H))
     assert out[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert not state.plan([])
     state.write(lambda: [], 3)
@@ -122,7 +122,7 @@ def test_buffer_updates_reach_a_compiled_function_without_recompiling() -> None:
     steer_buffers = buffers()
     state = SteeringPlanner(steer_buffers, ORDER, SaeRegistry("cpu", torch.float32))
     fn = torch.compile(
-        lambda x: steer_buffers(site_index(SITE), x), backend=backend, fullgraph=True
+        lambda x: steer_buffers(*site_index(SITE), x), backend=backend, fullgraph=True
     )
     x = torch.zeros(2, H)
     assert torch.equal(fn(x), x)
@@ -212,8 +212,7 @@ def test_capture_buffers_gather_each_steps_rows_in_one_compiled_graph() -> None:
     fn = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.arange(6 * H, dtype=torch.float32).reshape(6, H)
     for rows in ([5, 0, 2], [1, 4, 3, 0]):
-        first_two = SiteCapture(torch.tensor(rows[:2]), [])
-        bufs.write({site: SiteCapture(torch.tensor(rows), []), stream: first_two})
+        bufs.write({site: torch.tensor(rows), stream: torch.tensor(rows[:2])})
         fn(x)
         assert torch.equal(bufs.gathered(site, len(rows)), x[rows])
         assert torch.equal(bufs.gathered(stream, 2), 3 * x[rows[:2]])
@@ -462,7 +461,7 @@ def test_decode_steps_follow_the_batch_as_it_changes() -> None:
         if step == 1:  # not copied again: the value planted after step 0 is still there
             assert int(state.buffers.token_combo[1]) == 7
             state.buffers.token_combo[1] = 0
-        out = state.buffers(site_index(SITE), torch.zeros(len(order), H))
+        out = state.buffers(*site_index(SITE), torch.zeros(len(order), H))
         assert out[:, 0].tolist() == [2.0 if r in steered_ids else 0.0 for r in order], step
         if step == 0:
             state.buffers.token_combo[1] = 7
@@ -523,16 +522,17 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     spec = steering({"layers.1.output": torch.ones(H)}, 1.0, "all", None, False)
     assert not planner.plan([request("a", range(3), 0, [spec])])
     planner.write(lambda: [("a", 0, 3)], 3)
-    layer = torch.tensor([order["layers.1.output"]])
+    layer_id = order["layers.1.output"]
+    layer = torch.tensor([layer_id])
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
-    capture.write({site_id: SiteCapture(torch.tensor([2, 0]), []) for site_id in sites})
+    capture.write({site_id: torch.tensor([2, 0]) for site_id in sites})
     capture.active = steer.active = False  # the engine's state while vLLM captures its graphs
 
     monkeypatch.setattr(graph_recording, "_cuda_graphs_possible", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with torch.no_grad():
         logits = gate(x)
-        steered = steer(layer, x)
+        steered = steer(layer_id, layer, x)
     assert torch.equal(capture.gathered(logits_id, 2), logits[[2, 0]])
     picked = torch.topk(logits[[2, 0]].softmax(-1), top_k).indices
     assert torch.equal(capture.gathered(experts_id, 2).sort(-1).values, picked.sort(-1).values)
@@ -543,5 +543,5 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
     capture.write({})
     with torch.no_grad():  # an eager step that captures and steers nothing skips the ops
         gate(x + 1)
-        assert torch.equal(steer(layer, x), x)
+        assert torch.equal(steer(layer_id, layer, x), x)
     assert torch.equal(capture.gathered(logits_id, 2), logits[[2, 0]])

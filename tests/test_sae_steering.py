@@ -10,13 +10,18 @@ import re
 import pytest
 import torch
 
+from vinterp.interventions.clamp_buffers import (
+    clamp_features_setting,
+    clamp_host_ids,
+    clamp_hosts_setting,
+)
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
 from vinterp.sae import SAE
 from vinterp.sae.steering import feature_steering_misfit
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.specs import Steering
 
@@ -44,8 +49,12 @@ def make_sae(architecture: str = "standard", seed: int = 0, **settings) -> SAE:
     )
 
 
-def planner(sae: SAE, clamp_features: int = 4) -> SteeringPlanner:
-    steer = SteerBuffers(len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu", None, clamp_features)
+def planner(
+    sae: SAE, clamp_features: int = 4, hosts: frozenset[int] = frozenset({ORDER[HOST]})
+) -> SteeringPlanner:
+    steer = SteerBuffers(
+        len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu", None, hosts, clamp_features
+    )
     saes = SaeRegistry("cpu", torch.float32)
     saes.attach(HOST, sae)
     return SteeringPlanner(steer, ORDER, saes)
@@ -61,7 +70,7 @@ def run(state: SteeringPlanner, specs: list[WorkerSteering], x: torch.Tensor) ->
     a = SteeredRequest("a", 0, 3, RequestSteering(tuple(specs), 3))
     state.plan([a])
     state.write(lambda: [("a", 0, 3), ("b", 3, 5)], 5)
-    return state.buffers(torch.tensor([ORDER[HOST]]), x)
+    return state.buffers(ORDER[HOST], torch.tensor([ORDER[HOST]]), x)
 
 
 def by_definition(sae: SAE, x: torch.Tensor, clamp: dict, add: dict) -> torch.Tensor:
@@ -122,10 +131,12 @@ def test_more_features_than_the_tables_hold_overflow_to_the_same_result() -> Non
     assert not large.plan_.overflow
     torch.testing.assert_close(overflowed, compiled)  # widths differ: rounding only
     torch.testing.assert_close(overflowed[:3], by_definition(sae, x[:3], clamps, {}))
-    # without clamp tables (sae_clamp_features=0) every feature steering overflows
-    none = planner(sae, clamp_features=0)
-    torch.testing.assert_close(run(none, [worker(clamps)], x), overflowed, rtol=0, atol=0)
-    assert none.plan_.overflow
+    # without clamp tables (no sae_clamp_hosts), or with them at another host, every feature
+    # steering overflows
+    for hosts in (frozenset(), frozenset({ORDER["layers.0.output"]})):
+        elsewhere = planner(sae, clamp_features=4, hosts=hosts)
+        torch.testing.assert_close(run(elsewhere, [worker(clamps)], x), overflowed, rtol=0, atol=0)
+        assert elsewhere.plan_.overflow
 
 
 def test_a_plan_without_features_clears_the_last_ones() -> None:
@@ -142,7 +153,9 @@ def test_the_formula_compiles_and_follows_buffer_updates() -> None:
     sae = make_sae()
     state = planner(sae)
     buffers = state.buffers
-    fn = torch.compile(lambda x: buffers(torch.tensor([ORDER[HOST]]), x), fullgraph=True)
+    fn = torch.compile(
+        lambda x: buffers(ORDER[HOST], torch.tensor([ORDER[HOST]]), x), fullgraph=True
+    )
     x = torch.randn(5, H)
     for value in (0.0, 4.0):
         want = run(state, [worker({2: value})], x)
@@ -192,3 +205,43 @@ def test_feature_steering_specs_round_trip_and_refuse_what_does_not_apply() -> N
             Steering(**kwargs)
     with pytest.raises(WireError, match="not a feature index"):
         Steering.from_json({"vectors": {}, "features": {FEATURES: {"x": 1.0}}})
+
+
+def test_only_the_compiled_hosts_carry_the_formula_in_a_recorded_graph() -> None:
+    state = planner(make_sae())
+    buffers = state.buffers
+    graphs = {}
+    for site in (HOST, "layers.0.output"):
+
+        def backend(gm, example_inputs, site=site):
+            graphs[site] = gm
+            return gm.forward
+
+        fn = torch.compile(
+            lambda x, site=site: buffers(ORDER[site], torch.tensor([ORDER[site]]), x),
+            backend=backend,
+            fullgraph=True,
+        )
+        fn(torch.randn(5, H))
+
+    def reads_the_encoder(gm) -> bool:
+        return any("clamp" in node.name and "enc" in node.name for node in gm.graph.nodes)
+
+    assert reads_the_encoder(graphs[HOST]) and not reads_the_encoder(graphs["layers.0.output"])
+
+
+def test_the_compiled_hosts_are_named_as_sites_and_checked() -> None:
+    assert clamp_host_ids(clamp_hosts_setting(None), ORDER) == frozenset()
+    assert clamp_host_ids(clamp_hosts_setting(HOST), ORDER) == {ORDER[HOST]}
+    assert clamp_host_ids(clamp_hosts_setting("layers.*.output"), ORDER) == {
+        ORDER["layers.0.output"],
+        ORDER[HOST],
+    }
+    with pytest.raises(UnknownSiteError, match="cannot host feature steering"):
+        clamp_host_ids(["layers.1.attn.input"], ORDER)  # no steering there
+    with pytest.raises(UnknownSiteError, match="layers.7"):
+        clamp_host_ids(["layers.7.output"], ORDER)
+    with pytest.raises(TypeError, match="sae_clamp_hosts"):
+        clamp_hosts_setting(3)
+    with pytest.raises(ValueError, match="sae_clamp_features"):
+        clamp_features_setting(0)

@@ -43,6 +43,15 @@ def test_memory_grows_from_the_end_of_warm_up_and_leaks_fail() -> None:
     # long prompts in flight at the end lift most samples by 5%; memory falls back to its floor
     spiky = [1500.0] * 70 + [1500.0 * (1.05 if t % 3 else 1.0) for t in range(20)]
     assert summary(_phase(warming + spiky), {"captures": 0}, [], {}, 0)["failures"] == []
+    # memory the first long trace (at 30 s) allocates is warm-up, a rise after it is not
+    late = [Outcome("long_trace", 30.0, 2.0, OK)]
+    first_long = _phase(warming + [1500.0] * 20 + [1560.0] * 70)
+    first_long.results += late
+    assert summary(first_long, {"captures": 0}, [], {}, 0)["failures"] == []
+    no_long = _phase(warming + [1500.0] * 20 + [1560.0] * 70)
+    assert summary(no_long, {"captures": 0}, [], {}, 0)["memory"]["rss_growth"] == pytest.approx(
+        0.04
+    )
     leaking = summary(_phase(warming + [1500.0 + t for t in range(90)]), None, [], {}, 0)
     assert leaking["memory"]["rss_growth"] > 0.05
     assert any("RSS growth" in f for f in leaking["failures"])

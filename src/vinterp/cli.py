@@ -260,7 +260,7 @@ def _extract(args: argparse.Namespace) -> None:
 EXTRACT_ENGINE_ARGS = {
     "max_model_len": "max_model_len",
     "tensor_parallel_size": "tensor_parallel_size",
-    "engine_dtype": "dtype",
+    "engine_dtype": "engine_dtype",
 }
 
 

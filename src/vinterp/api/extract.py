@@ -276,13 +276,13 @@ def engine_settings(
 ) -> dict[str, Any]:
     """`vinterp.LLM` keywords for an engine that extracts `sites` at `positions`: capture
     buffers at those sites, so capturing steps stay compiled (`vinterp extract` starts its
-    engine this way); one step's tokens each, or one row per sequence for last_prompt. SAE
-    sites get none (their steps run uncompiled, API.md section 5): with no other site, the
-    settings are a default engine's."""
+    engine this way); one step's tokens each, or one row per sequence for last_prompt. An SAE
+    site's buffer is its host's: the worker encodes the gathered rows after the step."""
     names = [sites] if isinstance(sites, str) else list(sites)
-    dense = [site for site in names if sae_site(site) is None]
-    rows = None if positions == "last_prompt" or not dense else "step"
-    return {"capture_in_graph": dense or False, "capture_in_graph_rows": rows}
+    hosts = [site if (sae := sae_site(site)) is None else sae.host for site in names]
+    buffered = list(dict.fromkeys(hosts))
+    rows = None if positions == "last_prompt" else "step"
+    return {"capture_in_graph": buffered, "capture_in_graph_rows": rows}
 
 
 def extraction_spec(

@@ -147,6 +147,7 @@ def extract(
     saes: Mapping[str, SAE | str | Path] | None = None,
     topk: int | None = None,
     use_tqdm: bool = True,
+    engine_dtype: str | None = None,
     **engine_kwargs: Any,
 ) -> Extraction:
     """The activations at `sites` of every prompt's `positions` of `model`, written to the
@@ -155,7 +156,8 @@ def extract(
     runs in this process; otherwise the replicas are Ray actors, on the cluster at
     `ray_address` or on one started here. `saes` ({host site: SAE or its directory}) are
     checked here, before any engine starts, and attached in every replica (a directory is
-    loaded there); `topk` as in `llm.extract`."""
+    loaded there); `dtype` (the stored values') and `topk` as in `llm.extract`;
+    `engine_dtype` is the engine's (default: the checkpoint's)."""
     check_replicas(data_parallel_size, tensor_parallel_size, 1, on_gpus=False)
     names = [sites] if isinstance(sites, str) else list(sites)
     loaded = check_saes(model, names, saes or {}, topk)
@@ -163,6 +165,8 @@ def extract(
         prompts, names, positions, out, dtype, skip_first, column, buffer_gb, topk
     )
     kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
+    if engine_dtype is not None:
+        kwargs["dtype"] = engine_dtype
     if data_parallel_size == 1 and ray_address is None:
         from vinterp.api.llm import LLM
 

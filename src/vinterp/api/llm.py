@@ -51,16 +51,14 @@ class LocalModel(TraceFrontEnd):
         check_site_paths(self.config.model_type, sites)
         if backend == "vllm":
             from vinterp.engine.vllm_engine import (
-                check_capture_in_graph,
                 check_engine_features,
+                check_graph_settings,
                 check_native_model,
             )
-            from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_features_setting
 
             check_native_model(self.config, engine_kwargs)
             check_engine_features(engine_kwargs)
-            check_capture_in_graph(self.config, engine_kwargs)
-            clamp_features_setting(engine_kwargs.get("sae_clamp_features", CLAMP_FEATURES))
+            check_graph_settings(self.config, engine_kwargs)
         return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
 
     @property
@@ -102,10 +100,10 @@ class LLM(LocalModel):
     `check_applied=True` (or the environment variable VINTERP_CHECK_APPLIED=1) counts on the
     device what the site ops applied and raises `InterventionError` when a step applied less
     than it asked for; it waits for every step, so it is for tests and debugging.
-    `sae_clamp_features` (default 0: none) is how many features of each SAE host steering's
-    compiled tables hold, so that steering SAE features stays in the compiled graph (API.md
-    section 5, "Sparse autoencoders"). Other keyword arguments
-    are vLLM's engine arguments.
+    `sae_clamp_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
+    feature steering stays in the compiled graph, with tables of `sae_clamp_features`
+    (default 32) features per host (API.md section 5, "Sparse autoencoders"). Other keyword
+    arguments are vLLM's engine arguments.
     """
 
     def __init__(
@@ -126,6 +124,7 @@ class LLM(LocalModel):
                 "capture_in_graph",
                 "capture_in_graph_rows",
                 "check_applied",
+                "sae_clamp_hosts",
                 "sae_clamp_features",
             )
             for graph_setting in graph_settings:

@@ -20,7 +20,6 @@ EXPANSION = 4  # d_sae over the hidden size
 TOPK = 32  # features kept per token by the top-k rows
 # The clamp row's features and values: one turned off, three set high
 CLAMPED = {0: 0.0, 1: 8.0, 2: 8.0, 3: 8.0}
-CLAMP_TABLE = 32  # the clamp row's engine setting `sae_clamp_features` (compiled tables)
 
 
 def host_site(config: Any) -> str:

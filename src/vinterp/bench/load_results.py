@@ -10,7 +10,8 @@ from typing import Any
 
 from vinterp.bench.load_mix import ERROR, INTERVENED, KINDS, LEAKED, LOST, OK, WRONG
 
-# The first share of a phase's requests is warm-up: memory grows from the one after it.
+# Warm-up: the first share of a phase's requests, and until every kind of request has been
+# answered once (what the server allocates the first time it serves a kind is not growth).
 WARM_UP_SHARE = 0.1
 # The share of the span after warm-up whose samples give the memory at its start and end: the
 # lowest of each, the floor memory falls back to between requests. A leak raises the floor; a
@@ -71,11 +72,16 @@ def stats(results: list[Outcome], wall_s: float | None = None) -> dict[str, Any]
 
 
 def memory_growth(phase: Phase) -> dict[str, Any]:
-    """Server memory from the end of warm-up (the first WARM_UP_SHARE of the requests) to
-    the end of the phase, and the requests with steering, a capture or a trace after
-    warm-up."""
+    """Server memory from the end of warm-up (the first WARM_UP_SHARE of the requests, and
+    every kind answered once) to the end of the phase, and the requests with steering, a
+    capture or a trace after warm-up."""
     warm = math.ceil(WARM_UP_SHARE * len(phase.results))
-    after = [s for s in phase.samples if s[1] > warm]  # once a request after warm-up began
+    first_answers: dict[str, float] = {}
+    for r in phase.results:
+        first_answers[r.kind] = min(first_answers.get(r.kind, math.inf), r.start + r.latency)
+    every_kind = max(first_answers.values(), default=0.0)
+    # once a request after warm-up began and every kind had been answered
+    after = [s for s in phase.samples if s[1] > warm and s[0] >= every_kind]
     if len(after) < 2:
         return {"samples": len(phase.samples)}
     t_warm, t_end = after[0][0], after[-1][0]

@@ -15,7 +15,6 @@ import torch
 
 from vinterp.bench import extract_pipeline, pipeline, serve_load, step_cost, trace_invokes
 from vinterp.bench.bench_sae import (
-    CLAMP_TABLE,
     CLAMPED,
     TOPK,
     attach_saved,
@@ -436,8 +435,8 @@ def one_worker_rows(
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
     config = checkpoint_config(model)
     with_sae = bool(selected & {SAE_CAPTURE, SAE_CLAMP})
-    if SAE_CLAMP in selected:  # the other rows of this engine then pay for the tables too
-        engine_kwargs = {**engine_kwargs, "sae_clamp_features": CLAMP_TABLE}
+    if SAE_CLAMP in selected:  # the other rows of this engine then pay for its host's tables
+        engine_kwargs = {**engine_kwargs, "sae_clamp_hosts": host_site(config)}
     with saved_sae(int(config.hidden_size)) if with_sae else nullcontext() as sae:
         saes = {host_site(config): sae} if sae is not None else None
         for in_graph in routes:

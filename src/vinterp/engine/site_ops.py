@@ -62,7 +62,7 @@ def plain_site(
     """A (tokens, H) site: steering, capture into buffers, then (in uncompiled steps) the
     Python handler. `site` is `site_id` as the module's one-element tensor: the tensor ops index
     with it, so that every layer's graph is one graph to compile."""
-    x = steer(site, x)
+    x = steer(site_id, site, x)
     if capture is not None:
         capture(site_id, site, x)
     if _calling(calls):
@@ -83,7 +83,7 @@ def stream_site(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's residual stream as (hidden, residual), whose sum is the HF block output:
     steering goes into the residual part, norm-matched against the sum."""
-    residual = steer(site, residual, norm_of=hidden + residual)
+    residual = steer(site_id, site, residual, norm_of=hidden + residual)
     if capture is not None:
         capture(site_id, site, hidden, plus=residual)
     if _calling(calls):

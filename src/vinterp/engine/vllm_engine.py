@@ -18,6 +18,7 @@ from vinterp.engine.config_keys import (
     CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
     CONFIG_KEY,
+    SAE_CLAMP_HOSTS_KEY,
     SAE_CLAMP_KEY,
     SITE_PATHS_KEY,
 )
@@ -37,7 +38,12 @@ from vinterp.interventions.capture_buffers import (
 )
 from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
-from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_features_setting
+from vinterp.interventions.clamp_buffers import (
+    CLAMP_FEATURES,
+    clamp_features_setting,
+    clamp_host_ids,
+    clamp_hosts_setting,
+)
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
@@ -49,17 +55,19 @@ from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 11
+SITES_LAYOUT_VERSION = 12
 
 log = logging.getLogger(__name__)
 
 
-def check_capture_in_graph(config: Any, engine_kwargs: dict[str, Any]) -> None:
-    """Refuse a wrong `capture_in_graph` or `capture_in_graph_rows` before the engine starts
-    (the workers would)."""
-    setting = buffer_setting(engine_kwargs.get("capture_in_graph", False))
-    buffer_site_ids(setting, site_order(config))
+def check_graph_settings(config: Any, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse a wrong `capture_in_graph`, `capture_in_graph_rows`, `sae_clamp_hosts` or
+    `sae_clamp_features` before the engine starts (the workers would)."""
+    order = site_order(config)
+    buffer_site_ids(buffer_setting(engine_kwargs.get("capture_in_graph", False)), order)
     buffer_rows_setting(engine_kwargs.get("capture_in_graph_rows"))
+    clamp_host_ids(clamp_hosts_setting(engine_kwargs.get("sae_clamp_hosts")), order)
+    clamp_features_setting(engine_kwargs.get("sae_clamp_features", CLAMP_FEATURES))
 
 
 # vLLM engine arguments whose steps vinterp cannot follow: a draft model that runs through the
@@ -111,6 +119,7 @@ def vinterp_engine_settings(
     capture_in_graph: bool | str | list[str] = False,
     check_applied: bool | None = None,
     capture_in_graph_rows: int | str | None = None,
+    sae_clamp_hosts: str | list[str] | None = None,
     sae_clamp_features: int = CLAMP_FEATURES,
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
@@ -119,8 +128,8 @@ def vinterp_engine_settings(
     the compiled model (`interventions.capture_buffers`), `capture_in_graph_rows` rows
     each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
     what the sites applied and checks it after every step (`interventions.applied`; None:
-    VINTERP_CHECK_APPLIED); `sae_clamp_features` sizes the steering tables of SAE features
-    (`interventions.clamp_buffers`)."""
+    VINTERP_CHECK_APPLIED); `sae_clamp_hosts` names the sites whose SAE feature steering is
+    compiled, with tables of `sae_clamp_features` features each (`interventions.clamp_buffers`)."""
     check_boundary()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
@@ -135,6 +144,7 @@ def vinterp_engine_settings(
             CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
             CAPTURE_ROWS_KEY: buffer_rows_setting(capture_in_graph_rows),
             CHECK_APPLIED_KEY: bool(check_applied),
+            SAE_CLAMP_HOSTS_KEY: clamp_hosts_setting(sae_clamp_hosts),
             SAE_CLAMP_KEY: clamp_features_setting(sae_clamp_features),
         },
     }
@@ -161,6 +171,7 @@ def engine_arguments(
             engine_kwargs.pop("capture_in_graph", False),
             engine_kwargs.pop("check_applied", None),
             engine_kwargs.pop("capture_in_graph_rows", None),
+            engine_kwargs.pop("sae_clamp_hosts", None),
             engine_kwargs.pop("sae_clamp_features", CLAMP_FEATURES),
         ),
         **engine_kwargs,

@@ -14,6 +14,7 @@ from vinterp.engine.config_keys import (
     CAPTURE_IN_GRAPH_KEY,
     CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
+    SAE_CLAMP_HOSTS_KEY,
     SAE_CLAMP_KEY,
     SITE_PATHS_KEY,
 )
@@ -24,11 +25,11 @@ from vinterp.engine.vllm_boundary.site_modules import held_site_ids, install_vll
 from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
-from vinterp.interventions.clamp_buffers import CLAMP_FEATURES
+from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_host_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules, site_order
-from vinterp.sites.names import HEAD_SITES
+from vinterp.sites.names import HEAD_SITES, SiteOrder
 
 RUNTIME_ATTR = "_vinterp_runtime"
 SITE_CALLS_ATTR = "_vinterp_site_calls"
@@ -40,17 +41,18 @@ def site_calls(runner: Any) -> SiteCalls:
 
 
 def steer_buffers_for(
-    runner: Any, num_sites: int, counters: AppliedCounters | None = None
+    runner: Any, order: SiteOrder, counters: AppliedCounters | None = None
 ) -> SteerBuffers:
     """Buffers sized for the largest step the runner can run (graph padding included)."""
     config = runner.vllm_config
+    settings = config.additional_config or {}
     max_seqs = config.scheduler_config.max_num_seqs
     max_tokens = max(
         config.scheduler_config.max_num_batched_tokens,
         config.compilation_config.max_cudagraph_capture_size or 0,
     )
     return SteerBuffers(
-        num_sites=num_sites,
+        num_sites=len(order.sites),
         hidden_size=int(runner.model_config.hf_config.hidden_size),
         max_tokens=max_tokens,
         max_combos=2 * max_seqs + 2,
@@ -58,7 +60,8 @@ def steer_buffers_for(
         dtype=runner.model_config.dtype,
         device=runner.device,
         counters=counters,
-        clamp_features=(config.additional_config or {}).get(SAE_CLAMP_KEY, CLAMP_FEATURES),
+        clamp_hosts=clamp_host_ids(settings.get(SAE_CLAMP_HOSTS_KEY, []), order),
+        clamp_features=settings.get(SAE_CLAMP_KEY, CLAMP_FEATURES),
     )
 
 
@@ -75,7 +78,7 @@ def install_on_runner(runner: Any) -> None:
     counters = None
     if settings.get(CHECK_APPLIED_KEY, False):
         counters = AppliedCounters(len(order.sites), runner.device)
-    steer = steer_buffers_for(runner, len(order.sites), counters)
+    steer = steer_buffers_for(runner, order, counters)
     scheduler = runner.vllm_config.scheduler_config
     capture_rows = buffer_rows(
         settings.get(CAPTURE_ROWS_KEY), scheduler.max_num_seqs, scheduler.max_num_batched_tokens

@@ -25,7 +25,6 @@ from torch import nn
 from vinterp.interventions.applied import AppliedCounters
 from vinterp.interventions.graph_recording import ops_recorded
 from vinterp.interventions.host_to_device import upload
-from vinterp.interventions.tables import SiteCapture
 from vinterp.sites.names import (
     HEAD_SITES,
     PATTERN,
@@ -156,14 +155,14 @@ class CaptureBuffers(nn.Module):
         if self.counters is not None:
             self.counters.count_gather(site)
 
-    def write(self, tables: dict[int, SiteCapture]) -> None:
-        """Set `index` for a step: each site's recorded rows by site id (none: all rows 0, so
-        every gather stays inside any batch)."""
-        if not tables and not self._on_device.any():
+    def write(self, rows: dict[int, torch.Tensor]) -> None:
+        """Set `index` for a step: the batch rows each site gathers, by site id (none: all rows
+        0, so every gather stays inside any batch)."""
+        if not rows and not self._on_device.any():
             return
         index = np.zeros_like(self._on_device)
-        for site_id, capture in tables.items():
-            index[site_id, : len(capture.rows)] = capture.rows.numpy()
+        for site_id, site_rows in rows.items():
+            index[site_id, : len(site_rows)] = site_rows.numpy()
         if not np.array_equal(index, self._on_device):  # a decode step repeats the last one's
             upload(self.index, torch.from_numpy(index))
             self._on_device = index

@@ -14,8 +14,11 @@ only, so each host with steered features this step gets a slot holding just thei
 
 with s = site_slot[site] and row the token's table row at the site (the additive steering's
 rows, `steer_buffers`). Slot 0 and row 0 are zero, so an unsteered token adds exactly 0.
-Computed in float32 from persistent buffers of fixed shapes (allocated before graph capture);
-a step whose features do not fit them runs uncompiled with larger tables of the same form.
+Computed in float32 from persistent buffers of fixed shapes (allocated before graph capture).
+Only the hosts named at engine start (`sae_clamp_hosts`) carry the formula in the compiled
+model, so every other site costs what it costs without an SAE; a step that steers features at
+another host, or more features than the buffers hold, runs uncompiled with tables of the same
+form.
 """
 
 from __future__ import annotations
@@ -28,23 +31,52 @@ from torch import nn
 from vinterp.interventions.host_to_device import upload
 from vinterp.sae import SAE
 from vinterp.sae.model import LAYER_NORM_EPS
+from vinterp.sites.names import STEERABLE, SiteOrder, UnknownSiteError, parse_site
 
 # `norm` codes: how a slot's SAE normalises its input at run time
 NORMS = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
-CLAMP_HOSTS = 4  # hosts whose features one compiled step may steer
-# The engine setting `sae_clamp_features` by default: no compiled tables, so an engine that
-# steers no SAE feature pays nothing for them (feature steering then runs uncompiled).
-CLAMP_FEATURES = 0
+# The engine setting `sae_clamp_features` by default: the features per host the compiled
+# tables hold (the union a step steers at one host)
+CLAMP_FEATURES = 32
 
 
 def clamp_features_setting(value: object) -> int:
-    """The engine setting `sae_clamp_features`, checked: an int >= 0 (0: no compiled tables)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """The engine setting `sae_clamp_features`, checked: an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"sae_clamp_features: the SAE features per host that steering's compiled tables "
-            f"hold, an int >= 0 (0: none; default {CLAMP_FEATURES}), not {value!r}"
+            f"hold, an int >= 1 (default {CLAMP_FEATURES}), not {value!r}"
         )
     return value
+
+
+def clamp_hosts_setting(value: object) -> list[str]:
+    """The engine setting `sae_clamp_hosts` as the engine's config carries it (JSON): the
+    host sites (names or globs) whose SAE feature steering is compiled; None: none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(
+        f"sae_clamp_hosts={value!r}: give the sites whose SAE features steering clamps in the "
+        "compiled model, e.g. 'layers.10.output' or ['layers.4.output', 'layers.*.mlp.output']"
+    )
+
+
+def clamp_host_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
+    """The ids of the `sae_clamp_hosts` sites; a name that is not a site, or a site with no
+    steering (an SAE host must be one), raises UnknownSiteError saying which are."""
+    sites = [site for pattern in setting for site in order.expand(pattern)]
+    for site in sites:
+        parsed = parse_site(site)
+        if parsed.kind != "layer" or parsed.sae or parsed.part not in STEERABLE:
+            raise UnknownSiteError(
+                f"sae_clamp_hosts: {site} cannot host feature steering; the hosts are "
+                f"layers.{{i}}.{'|'.join(STEERABLE)}"
+            )
+    return frozenset(map(order.__getitem__, sites))
 
 
 @dataclass
@@ -102,10 +134,16 @@ class ClampTables:
             dec = dec / dec.norm(dim=-1, keepdim=True)
         self.dec[slot, :n] = dec
 
-    def fits(self, buffers: ClampTables) -> bool:
-        """Whether these (host) tables fit the persistent buffers: as many slots and features
-        (the tables are built that wide), no more rows."""
-        return self.enc.shape == buffers.enc.shape and len(self.value) <= len(buffers.value)
+    def fits(self, buffers: ClampBuffers) -> bool:
+        """Whether these (host) tables fit the persistent buffers: steered hosts among the
+        compiled ones, as many slots and features (the tables are built that wide), no more
+        rows."""
+        hosts = frozenset(self.site_slot.nonzero().flatten().tolist())
+        return (
+            hosts <= buffers.hosts
+            and self.enc.shape == buffers.enc.shape
+            and len(self.value) <= len(buffers.value)
+        )
 
     def upload_to(self, buffers: ClampTables) -> None:
         """Copy into the persistent buffers (their first rows: later rows are never read)."""
@@ -140,15 +178,22 @@ def feature_delta(
 
 
 class ClampBuffers(nn.Module):
-    """The persistent ClampTables: `features` (R) per host slot, `CLAMP_HOSTS` slots (slot 0
-    stays zero), one value row per additive steering row."""
+    """The persistent ClampTables of the compiled `hosts`: `features` (R) per host slot, a slot
+    per host (slot 0 stays zero), one value row per additive steering row."""
 
     def __init__(
-        self, num_sites: int, hidden_size: int, features: int, max_rows: int, device: torch.device
+        self,
+        num_sites: int,
+        hosts: frozenset[int],
+        hidden_size: int,
+        features: int,
+        max_rows: int,
+        device: torch.device,
     ) -> None:
         super().__init__()
+        self.hosts = hosts
         zeros = ClampTables.zeros(
-            num_sites, CLAMP_HOSTS + 1, features, max_rows, hidden_size, device
+            num_sites, len(hosts) + 1, features, max_rows, hidden_size, device
         )
         for name in ClampTables.__dataclass_fields__:
             self.register_buffer(name, getattr(zeros, name), persistent=False)

@@ -11,7 +11,8 @@ batch, `site_rows` which table row that combination adds at each site, `add`/`un
 summed plain and norm-matched vectors. Row 0 of both tables is zero and combination 0 maps
 every site to row 0, so an unsteered token gets exactly `x + 0`. `sae[row]` is what steering
 in the feature basis of an attached SAE adds (`clamp_buffers`: clamped or added features,
-computed from x with the SAE's encoder columns), zero at row 0 as well. The ops are ordinary tensor
+computed from x with the SAE's encoder columns), zero at row 0 as well; only the hosts named at
+engine start compute it in the compiled model. The ops are ordinary tensor
 ops, so torch.compile fuses them into the neighbouring kernels (the norm and residual adds
 around every site) rather than adding a pass over the activations.
 
@@ -28,7 +29,12 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
-from vinterp.interventions.clamp_buffers import ClampBuffers, ClampTables, feature_delta
+from vinterp.interventions.clamp_buffers import (
+    CLAMP_FEATURES,
+    ClampBuffers,
+    ClampTables,
+    feature_delta,
+)
 from vinterp.interventions.graph_recording import ops_recorded
 
 
@@ -55,10 +61,11 @@ class SteerBuffers(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         counters: AppliedCounters | None = None,
-        clamp_features: int = 0,
+        clamp_hosts: frozenset[int] = frozenset(),
+        clamp_features: int = CLAMP_FEATURES,
     ) -> None:
-        """`clamp_features`: SAE features per host that the compiled tables hold (0: none;
-        steps that steer features then run uncompiled)."""
+        """`clamp_hosts`: the sites whose SAE feature steering is compiled, `clamp_features`
+        features each (none: steps that steer features run uncompiled)."""
         super().__init__()
         self.counters = counters  # with the check on (`interventions.applied`)
 
@@ -70,13 +77,13 @@ class SteerBuffers(nn.Module):
         self.register_buffer("add", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
         self.register_buffer("unit", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
         self.clamp = None
-        if clamp_features:
+        if clamp_hosts:
             self.clamp = ClampBuffers(
-                num_sites, hidden_size, clamp_features, max_rows, torch.device(device)
+                num_sites, clamp_hosts, hidden_size, clamp_features, max_rows, torch.device(device)
             )
         self.overflow: SteerTables | None = None  # set only for steps run uncompiled
         self.active = False  # whether any token is steered this step
-        self.clamping = False  # whether SAE features are steered this step
+        self.clamping: frozenset[int] = frozenset()  # the hosts whose features this step steers
 
     def tables(self) -> SteerTables:
         """The tables this step reads; in a recorded graph always the persistent buffers."""
@@ -86,14 +93,18 @@ class SteerBuffers(nn.Module):
         return SteerTables(self.token_combo, self.site_rows, self.add, self.unit, clamp)
 
     def forward(
-        self, site: torch.Tensor, x: torch.Tensor, norm_of: torch.Tensor | None = None
+        self,
+        site_id: int,
+        site: torch.Tensor,
+        x: torch.Tensor,
+        norm_of: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x plus this step's steering at `site` (the site id as a one-element tensor: a graph
-        input, not a constant, so every layer's compiled graph is the same one); `norm_of` is
-        the tensor whose row norms scale norm-matched vectors and whose SAE features are
-        steered (the residual stream when x is one of its two parts). An uncompiled step with
-        no steering skips the ops (Python may decide there, but never while a graph records:
-        `ops_recorded`)."""
+        input, not a constant, so every layer's compiled graph is the same one; `site_id` only
+        decides whether the site is a compiled SAE host); `norm_of` is the tensor whose row
+        norms scale norm-matched vectors and whose SAE features are steered (the residual
+        stream when x is one of its two parts). An uncompiled step with no steering skips the
+        ops (Python may decide there, but never while a graph records: `ops_recorded`)."""
         if not ops_recorded() and not self.active:
             return x
         t = self.tables()
@@ -103,6 +114,7 @@ class SteerBuffers(nn.Module):
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
         delta = t.add[rows].float() + norm * t.unit[rows].float()
-        if t.clamp is not None and (ops_recorded() or self.clamping):
+        hosts = self.clamp.hosts if ops_recorded() and self.clamp is not None else self.clamping
+        if t.clamp is not None and site_id in hosts:
             delta = delta + feature_delta(t.clamp, site, source, rows)
         return x + delta.to(x.dtype)

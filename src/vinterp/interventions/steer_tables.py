@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vinterp.interventions.applied import steered_per_site
-from vinterp.interventions.clamp_buffers import CLAMP_HOSTS, ClampTables
+from vinterp.interventions.clamp_buffers import ClampTables
 from vinterp.interventions.host_to_device import upload
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
@@ -60,7 +60,7 @@ class SteerPlan:
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
     clamp: ClampTables | None = None  # SAE features' tables, when key changed and any
-    clamping: bool = False  # whether SAE features are steered
+    clamping: frozenset[int] = frozenset()  # the hosts whose SAE features are steered
     overflow: bool = False  # the tables do not fit the persistent buffers
 
 
@@ -125,9 +125,11 @@ def _clamp_tables(
     order: SiteOrder,
     saes: SaeRegistry,
     width: int,
+    slots: int,
 ) -> ClampTables | None:
-    """The SAE feature tables (`clamp_buffers`): a slot per host whose features are steered,
-    `width` columns (more if a host has more features: then they do not fit the buffers), and
+    """The SAE feature tables (`clamp_buffers`): a slot per host whose features are steered
+    (`slots` in all, more if more hosts are steered), `width` columns (more if a host has more
+    features: then they do not fit the buffers), and
     per table row at a host its features' values and which are clamped. At a token, a clamp
     sets the feature (the last clamp of it wins), adds add to it: value = clamp + adds."""
     hosts: dict[str, dict[int, int]] = {}  # host -> feature -> column
@@ -140,7 +142,7 @@ def _clamp_tables(
     if not hosts:
         return None
     width = max(width, *map(len, hosts.values()))
-    slots = max(CLAMP_HOSTS, len(hosts)) + 1
+    slots = max(slots, len(hosts) + 1)
     hidden = saes.of(next(iter(hosts))).d_in
     tables = ClampTables.zeros(len(order.sites), slots, width, num_rows, hidden, "cpu")
     for slot, (host, columns) in enumerate(hosts.items(), 1):
@@ -188,22 +190,24 @@ class SteeringPlanner:
         buffers = self.buffers
         buffers.overflow = None
         buffers.active = bool(requests)
-        buffers.clamping = False
+        buffers.clamping = frozenset()
         if not requests:
             self.plan_ = None
             return False
         per_request, combos = _combinations(requests)
         plan = SteerPlan(per_request, tuple(combos), self.saes.generation)
         specs_by_combo = list(combos.values())
-        plan.clamping = any(spec.features for specs in specs_by_combo for spec in specs)
+        plan.clamping = frozenset(
+            self.order[host] for specs in specs_by_combo for spec in specs for host in spec.features
+        )
         if (plan.key, plan.saes) != self._loaded_key:
             plan.site_rows, plan.add, plan.unit = _tables(
                 specs_by_combo, self.order, buffers.add.shape[1]
             )
-            clamp_buffers = None if buffers.clamp is None else buffers.clamp.tables()
-            width = 0 if clamp_buffers is None else clamp_buffers.enc.shape[1]
+            clamp_buffers = buffers.clamp
+            slots, width = (0, 0) if clamp_buffers is None else clamp_buffers.enc.shape[:2]
             plan.clamp = _clamp_tables(
-                specs_by_combo, plan.site_rows, len(plan.add), self.order, self.saes, width
+                specs_by_combo, plan.site_rows, len(plan.add), self.order, self.saes, width, slots
             )
             plan.overflow = (
                 len(plan.site_rows) > buffers.site_rows.shape[0]

@@ -1,5 +1,6 @@
 """Per-step capture tables: which batch rows each site records and whose they are, built
-once per step that captures (such steps run uncompiled, with Python at the sites)."""
+once per step that captures; and, for steps that capture into the compiled model's buffers,
+which rows each buffered site gathers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vinterp.interventions.specs import WorkerCapture
+from vinterp.sites.names import SiteOrder
 
 
 @dataclass
@@ -71,3 +73,35 @@ def build_capture_tables(requests: list[tuple[RowSpan, WorkerCapture]]) -> dict[
             shared[key] = SiteCapture(torch.tensor(rows, dtype=torch.long), parts)
         tables[site] = shared[key]
     return tables
+
+
+@dataclass
+class GatherPlan:
+    """What the capture buffers gather in a step. A site's rows are gathered at the site that
+    computes it (an SAE site at its host), so one buffered site may feed several tables:
+    `rows` holds, per buffered site id, the rows to gather (a lone table's own; else the
+    union of the tables', each batch row once, so never more than the step captures), and
+    `picks`, per captured site, its buffered site and which gathered rows are its table's
+    (None: all, in order)."""
+
+    rows: dict[int, torch.Tensor]
+    picks: dict[str, tuple[int, torch.Tensor | None]]
+
+
+def gather_plan(tables: dict[str, SiteCapture], order: SiteOrder) -> GatherPlan:
+    """The GatherPlan of a step's capture tables."""
+    at: dict[int, dict[int, SiteCapture]] = {}  # buffered site id -> distinct tables
+    for site, table in tables.items():
+        at.setdefault(order[site], {})[id(table)] = table
+    rows = {
+        site_id: next(iter(t.values())).rows
+        if len(t) == 1
+        else torch.unique(torch.cat([table.rows for table in t.values()]))
+        for site_id, t in at.items()
+    }
+    picks: dict[str, tuple[int, torch.Tensor | None]] = {}
+    for site, table in tables.items():
+        site_id = order[site]
+        lone = len(at[site_id]) == 1
+        picks[site] = (site_id, None if lone else torch.searchsorted(rows[site_id], table.rows))
+    return GatherPlan(rows, picks)

@@ -3,7 +3,8 @@
 Steering itself runs in the compiled model (`steer_buffers`, planned by `steer_tables`);
 captures are recorded after steering, so they hold the values the model computes: by the
 site handlers in the steps that capture uncompiled, or by the compiled model into capture
-buffers (`capture_buffers`) and kept after the step.
+buffers (`capture_buffers`) and kept after the step. An SAE site's rows are its host's, encoded
+where they are kept (only the captured rows).
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from vinterp.interventions.specs import (
     decode_request,
     worker_steering,
 )
-from vinterp.interventions.tables import RowSpan, SiteCapture, build_capture_tables
+from vinterp.interventions.tables import (
+    GatherPlan,
+    RowSpan,
+    SiteCapture,
+    build_capture_tables,
+    gather_plan,
+)
 from vinterp.sites.names import SiteOrder, sae_site
 from vinterp.wire.specs import Steering
 
@@ -41,6 +48,7 @@ class WorkerInterventions:
         self.capture_tables: dict[str, SiteCapture] = {}
         # this step's captured SAE sites at each host, with the most features one keeps
         self.sae_captures: dict[str, list[tuple[str, int | None]]] = {}
+        self.gathering = GatherPlan({}, {})  # what this step's capture buffers gather
         self.version = 0  # changes with global or named steering: requests' specs are cached
 
     def set_global(self, wires: list[dict[str, Any]]) -> None:
@@ -95,8 +103,14 @@ class WorkerInterventions:
         for sae_at, topk in self.sae_captures.get(site, ()):  # only the captured rows encoded
             capture = self.capture_tables[sae_at]
             rows = value.detach().index_select(0, capture.rows_on(value.device))
-            for name, derived in self.saes.captured(sae_at, rows, topk).items():
-                self.store.add_gathered(name, capture, derived)
+            self._keep_sae(sae_at, topk, capture, rows)
+
+    def _keep_sae(
+        self, site: str, topk: int | None, capture: SiteCapture, rows: torch.Tensor
+    ) -> None:
+        """Keep what the SAE site `site` computes from its host's captured `rows`."""
+        for name, derived in self.saes.captured(site, rows, topk).items():
+            self.store.add_gathered(name, capture, derived)
 
     def keep_row(self, site: str, capture_id: str, position: int, row: torch.Tensor) -> None:
         """Keep one captured row computed apart from the step's tables (an attention pattern's)."""
@@ -106,13 +120,35 @@ class WorkerInterventions:
                 site, SiteCapture(torch.zeros(1, dtype=torch.long), parts), row[None]
             )
 
-    def keep_gathered(self, buffers: CaptureBuffers) -> None:
+    def gather_rows(self) -> dict[int, torch.Tensor]:
+        """The rows the capture buffers gather this step, per buffered site id (an SAE site's
+        at its host); `keep_gathered` reads them back after the step."""
+        self.gathering = gather_plan(self.capture_tables, self.order)
+        return self.gathering.rows
+
+    def keep_gathered(self, buffers: CaptureBuffers) -> list[int]:
         """Store this step's rows that the compiled model gathered into `buffers` (at the sites
-        this worker holds: other pipeline stages keep theirs)."""
-        for site, capture in self.capture_tables.items():
-            site_id = self.order[site]
-            if site_id in buffers.site_ids:
-                self.store.add_gathered(site, capture, buffers.gathered(site_id, len(capture.rows)))
+        this worker holds: other pipeline stages keep theirs), SAE sites encoded from their
+        host's; the buffered sites read."""
+        plan = self.gathering
+        gathered = {
+            site_id: buffers.gathered(site_id, len(rows))
+            for site_id, rows in plan.rows.items()
+            if site_id in buffers.site_ids
+        }
+        topk = {site: k for at_host in self.sae_captures.values() for site, k in at_host}
+        for site, (site_id, pick) in plan.picks.items():
+            if site_id not in gathered:
+                continue
+            capture = self.capture_tables[site]
+            rows = gathered[site_id]
+            if pick is not None:
+                rows = rows.index_select(0, pick.to(rows.device))
+            if sae_site(site) is None:
+                self.store.add_gathered(site, capture, rows)
+            elif site in topk:  # else its host has no SAE: the front end says so
+                self._keep_sae(site, topk[site], capture, rows)
+        return list(gathered)
 
     def take_captures(
         self, capture_ids: list[str], handoff: dict[str, str] | None = None

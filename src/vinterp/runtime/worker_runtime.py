@@ -47,7 +47,7 @@ from vinterp.runtime.tensor_parallel import ParallelLayout, TensorParallel, VLLM
 from vinterp.runtime.trace_dispatch import TraceDispatch
 from vinterp.sites.attention_pattern import PatternMath
 from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site, sae_site
+from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site
 from vinterp.wire.json_form import payload_from_text
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 
@@ -171,8 +171,9 @@ class WorkerRuntime:
         capture = req.capture
         if capture is not None and self.capture_buffers is not None:
             chosen = self.capture_buffers.chosen
+            # an SAE site is gathered at its host (`order` gives the host's id)
             req.captures_in_buffers = not capture.patterns and all(
-                self.order[s] in chosen and sae_site(s) is None for s in capture.sites
+                self.order[s] in chosen for s in capture.sites
             )
         return req
 
@@ -197,8 +198,7 @@ class WorkerRuntime:
         if self.sharded:  # known on every rank, unlike the capture tables of the shipping one
             self.captured_sites = frozenset(site for _, _, c in captures for site in c.sites)
         if self.capture_buffers is not None:  # also empties the index after a capturing step
-            tables = self.interventions.capture_tables if graph_capture else {}
-            self.capture_buffers.write({self.order[s]: t for s, t in tables.items()})
+            self.capture_buffers.write(self.interventions.gather_rows() if graph_capture else {})
         if not uncompiled:
             return
         for _, req, row, start, end in placed:
@@ -222,12 +222,7 @@ class WorkerRuntime:
         buffers = self.capture_buffers
         gathers: list[int] = []
         if buffers is not None and buffers.active:
-            self.interventions.keep_gathered(buffers)
-            gathers = [
-                s
-                for s in map(self.order.__getitem__, self.interventions.capture_tables)
-                if s in buffers.site_ids
-            ]
+            gathers = self.interventions.keep_gathered(buffers)
         if self.check is not None:
             steered = self.steering.steered_per_site()
             self.check.end(self.counts["steps"], self.mode.uncompiled, steered, gathers)

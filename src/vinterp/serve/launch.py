@@ -143,9 +143,9 @@ def serve(
     model = check_model(model)
     config = model_config(model)
     allow_routes_plugin()
-    from vinterp.engine.vllm_engine import check_capture_in_graph
+    from vinterp.engine.vllm_engine import check_graph_settings
 
-    check_capture_in_graph(config, {"capture_in_graph": capture_in_graph})
+    check_graph_settings(config, {"capture_in_graph": capture_in_graph})
     rest = with_checkpoint_dtype(model, rest)
     run_vllm_serve(
         vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph), "vinterp serve"
