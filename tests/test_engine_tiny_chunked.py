@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from eager_attention import eager_attentions
+from long_prompt import LONG, close, long_trace, prompt_ids
 
 import vinterp
 
 pytestmark = pytest.mark.engine("tiny_chunked")
 
-LONG = " ".join(["The capital of France is Paris and the capital of Italy is Rome."] * 6)
 SHORT = "Once upon a time"
 
 
@@ -61,49 +61,16 @@ def test_attention_pattern_captures_across_chunks_equal_transformers(
             assert torch.allclose(hf_out.captures[site], row, atol=1e-5)
 
 
-def _ids(llm, count: int) -> list[int]:
-    ids = llm.tokenizer(" ".join([LONG] * 8)).input_ids
-    assert len(ids) >= count
-    return ids[:count]
-
-
-def long_trace(llm, ids: list[int], v: torch.Tensor) -> tuple[dict, list[int]]:
-    """Saves of several sites, reductions over positions, the last token's pattern row and a
-    write at position 300 with the logits it gives, over a prompt of `len(ids)` tokens."""
-    with llm.trace(ids, max_tokens=3) as tr:
-        saved = {
-            "embed": llm.embed.output.save(),
-            "q": llm.layers[0].attn.q.save(),
-            "mean": llm.layers[1].output.mean(0).save(),
-        }
-        llm.layers[2].output[300] += v
-        llm.layers[2].mlp.output[-1] = llm.layers[2].mlp.output[-1] * 0.5
-        saved["after"] = llm.layers[3].output.save()
-        saved["pattern"] = llm.layers[3].attn.pattern[:, -1].save()
-        saved["logits"] = llm.logits.save()
-        for _ in tr.iter[1:]:
-            saved["generated"] = llm.layers[1].output.save()
-    return saved, tr.outputs[0].token_ids
-
-
-def _close(got, want) -> None:
-    got, want = (
-        (got, want) if isinstance(got, torch.Tensor) else (torch.stack(got), torch.stack(want))
-    )
-    assert got.shape == want.shape
-    assert float((got - want).norm() / want.norm()) < 1e-4
-
-
 def test_a_traced_prompt_over_many_steps_equals_hf(chunked, engines, tiny_llama) -> None:
     """400 tokens in steps of 32: every save, the pattern row, the write at position 300 and
     the tokens it leads to equal the HF reference's (one forward over the whole prompt)."""
-    ids = _ids(chunked, 400)
+    ids = prompt_ids(chunked, 400)
     v = torch.randn(256, generator=torch.Generator().manual_seed(5)) * 4
     got, got_tokens = long_trace(chunked, ids, v)
     want, want_tokens = long_trace(engines.hf(tiny_llama), ids, v)
     assert got_tokens == want_tokens
     for name in want:
-        _close(got[name], want[name])
+        close(got[name], want[name])
     assert got["after"].shape[0] == 400 and got["pattern"].shape[-1] == 400
     plain, _ = long_trace(chunked, ids, torch.zeros(256))
     moved = (got["after"] - plain["after"]).norm(dim=-1) > 1e-3
@@ -118,9 +85,9 @@ def test_invokes_split_beside_each_other_and_values_between_them(chunked, engine
         with llm.trace(max_tokens=1) as tr:
             saved = []
             for n in (90, 120, 75):
-                with tr.invoke(_ids(llm, n)):
+                with tr.invoke(prompt_ids(llm, n)):
                     saved.append(llm.layers[1].output.save())
-            with tr.invoke(_ids(llm, 110)):
+            with tr.invoke(prompt_ids(llm, 110)):
                 llm.layers[2].output[:] = llm.layers[2].output + saved[0].mean(0)
                 saved.append(llm.layers[3].output.save())
         return saved, [o.token_ids for o in tr.outputs]
@@ -129,11 +96,11 @@ def test_invokes_split_beside_each_other_and_values_between_them(chunked, engine
     want, want_tokens = run(engines.hf(tiny_llama))
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
-        _close(g, w)
+        close(g, w)
 
 
 def test_a_write_needing_a_later_position_is_refused_before_it_runs(chunked) -> None:
-    ids = _ids(chunked, 100)
+    ids = prompt_ids(chunked, 100)
     with pytest.raises(vinterp.OutOfOrderError, match="position 0 .* from position 99"):
         with chunked.trace(ids, max_tokens=1):
             chunked.layers[2].output[0] = chunked.layers[1].output[-1]

@@ -101,8 +101,11 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
         time.sleep(0.2)
     victims = replica_processes()
     assert len(victims) == 2, "two replicas run"
-    for process in [*victims[1].children(recursive=True), victims[1]]:  # its engine, then it
-        process.kill()
+    engine = victims[1].children(recursive=True)  # its engine core and worker
+    assert engine
+    victims[1].kill()  # the actor alone: its engine processes end with it
+    gone, alive = psutil.wait_procs(engine, timeout=60)
+    assert not alive, alive
     thread.join(600)
     assert not thread.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], ReplicaError), failure

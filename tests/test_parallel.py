@@ -9,6 +9,7 @@ import gc
 
 import pytest
 import torch
+from long_prompt import close, long_trace, prompt_ids
 from safetensors.torch import load_file
 
 import vinterp
@@ -315,6 +316,37 @@ def test_pipeline_impossible_order_fails_before_running(
     tokens, _, saves = fast_path_results(llm)
     assert tokens == single_worker_fast[0]
     assert rel_err(saves[0], single_worker_fast[2][0]) < 1e-5
+
+
+def rows_sent_on(llm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A write at every position of layer 2 (the second stage) from layer 1's rows (the
+    first's), and the layer-3 output and tokens it gives."""
+    with llm.trace(ids, max_tokens=2) as tr:
+        llm.layers[2].output[:] = llm.layers[2].output + 0.5 * llm.layers[1].output
+        after = llm.layers[3].output.save()
+    return after, tr.outputs[0].token_ids
+
+
+def test_pipeline_trace_of_a_prompt_over_many_steps_equals_hf(engines, tiny_llama) -> None:
+    """320 tokens in steps of 32 over two stages: the long trace's saves, pattern row and
+    writes, and rows of the first stage written into the second chunk by chunk, equal HF's."""
+    hf = engines.hf(tiny_llama)
+    llm = engines.vllm(
+        tiny_llama, pipeline_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4
+    )
+    ids = prompt_ids(llm, 320)
+    v = torch.randn(256, generator=torch.Generator().manual_seed(5)) * 4
+    got, got_tokens = long_trace(llm, ids, v)
+    want, want_tokens = long_trace(hf, ids, v)
+    assert got_tokens == want_tokens
+    for name in want:
+        close(got[name], want[name])
+    sent, sent_tokens = rows_sent_on(llm, ids)
+    want_sent, want_sent_tokens = rows_sent_on(hf, ids)
+    assert sent_tokens == want_sent_tokens
+    close(sent, want_sent)
+    held = llm.engine.collective_rpc("vinterp_held_state")
+    assert [stage["kept_keys"] for stage in held] == [0, 0]
 
 
 def test_pipeline_logit_lens_of_a_first_stage_layer(engines, tiny_llama) -> None:
