@@ -80,6 +80,8 @@ def _bench(args: argparse.Namespace) -> None:
         engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.gpu_memory_utilization:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_memory_bytes:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     dtype = engine_workloads.resolve_dtype(model, args.dtype)
     quick = QUICK if args.quick else FULL
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in quick.items()}
@@ -384,6 +386,13 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=None,
         help="every engine's share of its GPU (vLLM's option): lower it to time beside another run",
+    )
+    bench.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="every engine's KV cache in bytes (vLLM's option; the KV cache then ignores the "
+        "share above): vLLM skips the memory profiling that another engine on the GPU upsets",
     )
     bench.add_argument(
         "--max-model-len",

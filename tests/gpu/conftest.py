@@ -37,6 +37,9 @@ Environment:
                             tolerance of captures, saves and logits is then 1e-4
   VINTERP_GPU_MEMORY=0.4    every engine's gpu_memory_utilization (vLLM's default else):
                             lower it to share the cards with another run
+  VINTERP_GPU_KV_BYTES=N    every engine's kv_cache_memory_bytes instead: vLLM then sizes
+                            the KV cache without the memory profiling that another run's
+                            engine on the same card upsets (vLLM 0.33 asserts there)
   VINTERP_GPU_REHEARSAL=1   run the modules on the CPU engine (no GPU needed; the parallel
                             one with VINTERP_GPU_PARALLEL_MODEL=tiny): the tests' own code
                             runs end to end before device time is spent on it. Numbers
@@ -78,7 +81,9 @@ DEVICE = "cpu" if REHEARSAL else "cuda"  # where the transformers references run
 N = len(PROMPTS)
 # every engine's share of its cards, where told (another run may hold the rest)
 SHARE = (
-    {"gpu_memory_utilization": float(os.environ["VINTERP_GPU_MEMORY"])}
+    {"kv_cache_memory_bytes": int(os.environ["VINTERP_GPU_KV_BYTES"])}
+    if os.environ.get("VINTERP_GPU_KV_BYTES")
+    else {"gpu_memory_utilization": float(os.environ["VINTERP_GPU_MEMORY"])}
     if os.environ.get("VINTERP_GPU_MEMORY")
     else {}
 )
