@@ -135,15 +135,9 @@ class ClampTables:
         self.dec[slot, :n] = dec
 
     def fits(self, buffers: ClampBuffers) -> bool:
-        """Whether these (host) tables fit the persistent buffers: steered hosts among the
-        compiled ones, as many slots and features (the tables are built that wide), no more
-        rows."""
-        hosts = frozenset(self.site_slot.nonzero().flatten().tolist())
-        return (
-            hosts <= buffers.hosts
-            and self.enc.shape == buffers.enc.shape
-            and len(self.value) <= len(buffers.value)
-        )
+        """Whether these (host) tables fit the persistent buffers: as many slots and features
+        (the tables are built that wide), no more rows."""
+        return self.enc.shape == buffers.enc.shape and len(self.value) <= len(buffers.value)
 
     def upload_to(self, buffers: ClampTables) -> None:
         """Copy into the persistent buffers (their first rows: later rows are never read)."""

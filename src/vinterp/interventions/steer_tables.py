@@ -214,7 +214,11 @@ class SteeringPlanner:
                 or len(plan.add) > buffers.add.shape[0]
                 or (
                     plan.clamp is not None
-                    and (clamp_buffers is None or not plan.clamp.fits(clamp_buffers))
+                    and (
+                        clamp_buffers is None
+                        or not plan.clamping <= clamp_buffers.hosts  # a host not compiled
+                        or not plan.clamp.fits(clamp_buffers)
+                    )
                 )
             )
             if plan.overflow:

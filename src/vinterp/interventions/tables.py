@@ -90,9 +90,10 @@ class GatherPlan:
 
 def gather_plan(tables: dict[str, SiteCapture], order: SiteOrder) -> GatherPlan:
     """The GatherPlan of a step's capture tables."""
+    buffered = {site: order[site] for site in tables}  # an SAE site's is its host's
     at: dict[int, dict[int, SiteCapture]] = {}  # buffered site id -> distinct tables
     for site, table in tables.items():
-        at.setdefault(order[site], {})[id(table)] = table
+        at.setdefault(buffered[site], {})[id(table)] = table
     rows = {
         site_id: next(iter(t.values())).rows
         if len(t) == 1
@@ -101,7 +102,7 @@ def gather_plan(tables: dict[str, SiteCapture], order: SiteOrder) -> GatherPlan:
     }
     picks: dict[str, tuple[int, torch.Tensor | None]] = {}
     for site, table in tables.items():
-        site_id = order[site]
+        site_id = buffered[site]
         lone = len(at[site_id]) == 1
         picks[site] = (site_id, None if lone else torch.searchsorted(rows[site_id], table.rows))
     return GatherPlan(rows, picks)
