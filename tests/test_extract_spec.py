@@ -137,3 +137,30 @@ def test_sizes_and_gpus_are_checked_before_anything_starts() -> None:
     check_replicas(4, 2, 0, on_gpus=False)  # CPU engines
     with pytest.raises(ValueError, match="data_parallel_size: expected an int >= 1, got 0"):
         check_replicas(0, 1, 8, on_gpus=True)
+
+
+def test_the_engine_is_kept_at_least_two_steps_ahead() -> None:
+    """A step's prompts are reported done only after it ends while vLLM already schedules the
+    next: the feed keeps two steps queued whatever the memory, up to four where the rows those
+    steps store fit the device share of buffer_gb."""
+    step = 16384
+    limits = EngineLimits("bfloat16", 2047, step, 1024)
+    wide = extract.store_columns([f"layers.{i}.output" for i in range(4)], "bfloat16", 4096)
+    # four 8B layers: one step of rows (512 MiB) fills 2 GB's device share
+    assert extract.queued_tokens(limits, "all_prompt", wide, 2.0) == 2 * step
+    assert extract.queued_tokens(limits, "all_prompt", wide, 16.0) == 4 * step
+    narrow = extract.store_columns(SITES, "float32", 64)
+    assert extract.queued_tokens(limits, "all_prompt", narrow, 2.0) == 4 * step
+
+
+def test_a_step_at_last_prompt_stores_a_row_per_sequence() -> None:
+    """At last_prompt (or listed positions) a step's rows are bounded by its sequences, not its
+    tokens: every 8B layer at last_prompt keeps four steps queued in 2 GB, not the two that
+    a row per token would allow."""
+    step = 16384
+    limits = EngineLimits("bfloat16", 2047, step, 256)
+    every = extract.store_columns([f"layers.{i}.output" for i in range(32)], "bfloat16", 4096)
+    assert extract.queued_tokens(limits, "last_prompt", every, 2.0) == 4 * step
+    assert extract.queued_tokens(limits, "all_prompt", every, 2.0) == 2 * step
+    assert extract.queued_tokens(limits, [0, 1, 2, 3, 4, 5, 6, 7], every, 2.0) == 2 * step
+    assert extract.queued_tokens(limits, [0, 1], every, 2.0) == 3 * step  # 2,047 rows fit

@@ -545,3 +545,50 @@ def test_sites_run_eagerly_while_a_cuda_graph_records_them_keep_every_op(monkeyp
         gate(x + 1)
         assert torch.equal(steer(layer_id, layer, x), x)
     assert torch.equal(capture.gathered(logits_id, 2), logits[[2, 0]])
+
+
+def test_capture_buffers_write_only_what_changed_and_clear_what_a_longer_step_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step naming fewer rows than the last zeroes the rest (a smaller batch stays in range);
+    a step repeating the last one's rows (decoding) uploads nothing; sites without a buffer on
+    this worker are never written."""
+    from vinterp.interventions import capture_buffers
+
+    site, stream, other = ORDER["layers.0.output"], ORDER["layers.1.output"], ORDER["embed.output"]
+    bufs = CaptureBuffers(len(ORDER.sites), frozenset({site, stream}), [site, stream], 6, H, torch.float32, "cpu")
+    uploads = []
+    real = capture_buffers.upload
+    monkeypatch.setattr(capture_buffers, "upload", lambda dst, src: (uploads.append(len(src)), real(dst, src)))
+    bufs.write({site: torch.tensor([5, 0, 2, 3]), other: torch.tensor([1])})
+    assert bufs.index[site].tolist() == [5, 0, 2, 3, 0, 0] and bufs.index[other].abs().sum() == 0
+    bufs.write({site: torch.tensor([1]), stream: torch.tensor([4, 4])})
+    assert bufs.index[site].tolist() == [1, 0, 0, 0, 0, 0]
+    assert bufs.index[stream].tolist() == [4, 4, 0, 0, 0, 0]
+    count = len(uploads)
+    bufs.write({site: torch.tensor([1]), stream: torch.tensor([4, 4])})  # the same again
+    assert len(uploads) == count
+    bufs.write({})
+    assert bufs.index.abs().sum() == 0
+
+
+@given(
+    st.one_of(
+        st.sampled_from(["last_prompt", "all_prompt", "all_generated", "all"]),
+        st.lists(st.integers(0, 40), max_size=12),
+    ),
+    st.integers(0, 30),
+    st.integers(0, 20),
+    st.integers(1, 30),
+)
+def test_the_positions_a_capture_wants_in_a_step_are_those_it_selects_one_by_one(
+    positions: object, first: int, count: int, prompt_len: int
+) -> None:
+    """`WorkerCapture.wanted` (a range for named selectors) picks exactly the positions of the
+    step's window that `wants` picks one at a time, in order."""
+    selector = positions if isinstance(positions, str) else frozenset(positions)
+    cap = WorkerCapture("c", ("layers.0.output",), selector)
+    window = range(first, first + count)
+    assert list(cap.wanted(first, count, prompt_len)) == [
+        p for p in window if cap.wants(p, prompt_len)
+    ]

@@ -123,3 +123,23 @@ def test_plugin_patches_nothing_on_a_vllm_outside_the_supported_range(monkeypatc
         assert f"vLLM {version}" in warnings[0].getMessage()
         assert "verified on vLLM 0.32" in warnings[0].getMessage()
     targets.forget_checks()
+
+
+def test_sae_hosts_named_at_start_get_capture_buffers() -> None:
+    """An engine told its SAE hosts (`sae_clamp_hosts`) buffers their rows in the compiled model
+    too, so capturing or extracting their features keeps the steps compiled; other buffers stay
+    as asked, and True (every site) stays True."""
+    from vinterp.engine.config_keys import CAPTURE_IN_GRAPH_KEY
+    from vinterp.engine.vllm_engine import vinterp_engine_settings, with_host_buffers
+
+    def buffers(**kwargs: object) -> object:
+        return vinterp_engine_settings(**kwargs)["additional_config"][CAPTURE_IN_GRAPH_KEY]
+
+    assert buffers() is False
+    assert buffers(sae_clamp_hosts="layers.3.output") == ["layers.3.output"]
+    assert buffers(capture_in_graph="layers.1.output", sae_clamp_hosts=["layers.*.mlp.output"]) == [
+        "layers.1.output",
+        "layers.*.mlp.output",
+    ]
+    assert buffers(capture_in_graph=True, sae_clamp_hosts="layers.3.output") is True
+    assert with_host_buffers(["layers.3.output"], ["layers.3.output"]) == ["layers.3.output"]

@@ -305,3 +305,20 @@ def test_the_package_imports_neither_saelens_nor_vllm() -> None:
             else:
                 continue
             assert not {m.split(".")[0] for m in modules} & {"sae_lens", "vllm"}, path
+
+
+def test_the_digest_follows_every_change_of_the_weights() -> None:
+    """The digest is hashed once and kept: a weight changed in place or replaced (even by an
+    equal copy: its bytes are hashed again) gives the digest of the new weights."""
+    from vinterp.bench.bench_sae import random_sae
+
+    sae = random_sae(64)
+    first = sae.digest
+    assert sae.digest == first == random_sae(64).digest
+    sae.W_enc[0, 0] += 1.0  # in place
+    changed = sae.digest
+    assert changed != first and changed == vinterp.SAE(**{
+        name: getattr(sae, name) for name in ("architecture", "W_enc", "b_enc", "W_dec", "b_dec")
+    }).digest
+    sae.W_enc = random_sae(64).W_enc  # replaced
+    assert sae.digest == first

@@ -176,7 +176,7 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
     shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
     size = shard_bytes(columns, buffer_gb)
     store = ActivationStore.open(request.out, spec, columns, size, about, shard_tokens)
-    queued = queued_tokens(limits.step_tokens or 1, columns, buffer_gb)
+    queued = queued_tokens(limits, positions, columns, buffer_gb)
     return ExtractionJob(store, source, Capture(sites, positions=positions, topk=topk), queued)
 
 
@@ -263,12 +263,22 @@ def shard_bytes(columns: Columns, buffer_gb: float) -> int:
     return max(host // SHARDS_IN_FLIGHT, row_size(columns))
 
 
-def queued_tokens(step_tokens: int, columns: Columns, buffer_gb: float) -> int:
-    """Prompt tokens kept queued in the engine: `QUEUED_STEPS` steps' worth, fewer where
-    their rows (one a token at most) would pass the device share of `buffer_gb`, and one
-    step's at least (the engine must never wait for the feed)."""
+def queued_tokens(
+    limits: EngineLimits, positions: PositionSpec, columns: Columns, buffer_gb: float
+) -> int:
+    """Prompt tokens kept queued in the engine: `QUEUED_STEPS` steps' worth, fewer where the
+    rows those steps store would pass the device share of `buffer_gb`, and never fewer than
+    `MIN_QUEUED_STEPS` (the engine must never wait for the feed). A step stores a row per
+    token at token positions; at last_prompt (or a list of positions) a row per sequence (or
+    per listed position), so such steps are bounded by the sequences one step runs."""
+    step_tokens = limits.step_tokens or 1
+    step_rows = step_tokens
+    if positions == "last_prompt" or isinstance(positions, list):
+        per_prompt = 1 if positions == "last_prompt" else len(positions)
+        step_rows = min(step_tokens, (limits.step_sequences or step_tokens) * per_prompt)
     device_rows = int(buffer_gb * DEVICE_SHARE * 2**30) // row_size(columns)
-    return max(min(QUEUED_STEPS * step_tokens, device_rows), step_tokens, 1)
+    steps = max(min(QUEUED_STEPS, device_rows // max(step_rows, 1)), MIN_QUEUED_STEPS)
+    return steps * step_tokens
 
 
 def engine_settings(
@@ -315,6 +325,11 @@ def extraction_spec(
 # Engine steps' worth of prompt tokens kept queued in the engine while extracting: enough that
 # it never waits for the next prompts, few enough that captures awaiting their take stay small.
 QUEUED_STEPS = 4
+# The fewest, whatever the memory: vLLM schedules the next step while one runs, and the feed
+# hears that a step's prompts are done only after it ends, so with one step queued each step
+# waits for that round trip and runs part-full (scripts/profile_bulk.py on an H200: 46 steps
+# instead of 17 for the same prompts, the device idle between them).
+MIN_QUEUED_STEPS = 2
 PREFILL_ONLY = sampling_kwargs({"max_tokens": 1})
 
 

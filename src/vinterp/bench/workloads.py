@@ -435,7 +435,7 @@ def one_worker_rows(
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
     config = checkpoint_config(model)
     with_sae = bool(selected & {SAE_CAPTURE, SAE_CLAMP})
-    if SAE_CLAMP in selected:  # the other rows of this engine then pay for its host's tables
+    if with_sae:  # the SAE's host named at start: compiled clamping and a capture buffer there
         engine_kwargs = {**engine_kwargs, "sae_clamp_hosts": host_site(config)}
     with saved_sae(int(config.hidden_size)) if with_sae else nullcontext() as sae:
         saes = {host_site(config): sae} if sae is not None else None

@@ -12,6 +12,7 @@ class EngineLimits:
     dtype: str  # what the engine computes in, and what captures come back in
     max_prompt_len: int | None  # the longest prompt it takes with one token to generate
     step_tokens: int | None  # the most tokens one engine step computes
+    step_sequences: int | None = None  # the most sequences one engine step computes
 
 
 def engine_limits(backend: Any, config: Any) -> EngineLimits:
@@ -23,6 +24,7 @@ def engine_limits(backend: Any, config: Any) -> EngineLimits:
             str(model_config.dtype).removeprefix("torch."),
             int(model_config.max_model_len) - 1,  # vLLM keeps room for the generated token
             int(vllm_config.scheduler_config.max_num_batched_tokens),
+            int(vllm_config.scheduler_config.max_num_seqs),
         )
     positions = getattr(config, "max_position_embeddings", None)
     return EngineLimits(

@@ -128,11 +128,13 @@ def vinterp_engine_settings(
     the compiled model (`interventions.capture_buffers`), `capture_in_graph_rows` rows
     each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
     what the sites applied and checks it after every step (`interventions.applied`; None:
-    VINTERP_CHECK_APPLIED); `sae_clamp_hosts` names the sites whose SAE feature steering is
-    compiled, with tables of `sae_clamp_features` features each (`interventions.clamp_buffers`)."""
+    VINTERP_CHECK_APPLIED); `sae_clamp_hosts` names the SAE hosts whose feature steering is
+    compiled, with tables of `sae_clamp_features` features each (`interventions.clamp_buffers`),
+    and whose feature captures gather through a capture buffer (`with_host_buffers`)."""
     check_boundary()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
+    hosts = clamp_hosts_setting(sae_clamp_hosts)
     return {
         "enable_prefix_caching": False,
         "seed": 0,
@@ -141,13 +143,23 @@ def vinterp_engine_settings(
             # the plugin installs sites where this key is; part of the compile-cache key
             CONFIG_KEY: SITES_LAYOUT_VERSION,
             SITE_PATHS_KEY: site_paths or {},
-            CAPTURE_IN_GRAPH_KEY: buffer_setting(capture_in_graph),
+            CAPTURE_IN_GRAPH_KEY: with_host_buffers(buffer_setting(capture_in_graph), hosts),
             CAPTURE_ROWS_KEY: buffer_rows_setting(capture_in_graph_rows),
             CHECK_APPLIED_KEY: bool(check_applied),
-            SAE_CLAMP_HOSTS_KEY: clamp_hosts_setting(sae_clamp_hosts),
+            SAE_CLAMP_HOSTS_KEY: hosts,
             SAE_CLAMP_KEY: clamp_features_setting(sae_clamp_features),
         },
     }
+
+
+def with_host_buffers(buffers: bool | list[str], hosts: list[str]) -> bool | list[str]:
+    """The capture buffers of an engine whose SAE hosts are `hosts`: each host gets one, so
+    capturing (and extracting) its features gathers the host's rows in the compiled model and
+    such steps stay compiled; without it every step that captures features runs uncompiled
+    (8B shape on an H200: 4.35x plain generation for a top-k capture at every position)."""
+    if buffers is True or not hosts:
+        return buffers
+    return list(dict.fromkeys([*(buffers or []), *hosts]))
 
 
 def engine_arguments(

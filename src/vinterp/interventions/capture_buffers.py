@@ -18,7 +18,6 @@ uncompiled route instead.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -98,6 +97,9 @@ def buffer_site_ids(setting: BufferSetting, order: SiteOrder) -> frozenset[int]:
     return frozenset(map(order.__getitem__, sites))
 
 
+_NO_ROWS = torch.zeros(0, dtype=torch.int32)
+
+
 class CaptureBuffers(nn.Module):
     def __init__(
         self,
@@ -126,7 +128,7 @@ class CaptureBuffers(nn.Module):
             rows = torch.zeros(max_rows, *shape, dtype=row_dtype, device=device)
             self.register_buffer(f"rows_{site_id}", rows, persistent=False)
         self.active = False  # whether this step captures through the buffers
-        self._on_device = np.zeros(tuple(self.index.shape), dtype=np.int32)  # what `index` holds
+        self._written: dict[int, torch.Tensor] = {}  # per buffered site, what `index` holds
 
     def holds(self, site_id: int) -> bool:
         """Whether `site_id` has a buffer on this worker."""
@@ -157,15 +159,20 @@ class CaptureBuffers(nn.Module):
 
     def write(self, rows: dict[int, torch.Tensor]) -> None:
         """Set `index` for a step: the batch rows each site gathers, by site id (none: all rows
-        0, so every gather stays inside any batch)."""
-        if not rows and not self._on_device.any():
-            return
-        index = np.zeros_like(self._on_device)
-        for site_id, site_rows in rows.items():
-            index[site_id, : len(site_rows)] = site_rows.numpy()
-        if not np.array_equal(index, self._on_device):  # a decode step repeats the last one's
-            upload(self.index, torch.from_numpy(index))
-            self._on_device = index
+        0, so every gather stays inside any batch). Only the rows of this worker's buffered
+        sites are written, each only when it changes (a decode step repeats the last one's):
+        the whole (sites x rows) table would be tens of MB a step on an 8B model."""
+        for site_id in self.site_ids:
+            site_rows = rows.get(site_id)
+            new = _NO_ROWS if site_rows is None else site_rows.to(torch.int32)
+            before = self._written.get(site_id, _NO_ROWS)
+            if torch.equal(new, before):
+                continue
+            padded = new  # zeros over the rows the last step named beyond this one's
+            if len(new) < len(before):
+                padded = torch.cat([new, torch.zeros(len(before) - len(new), dtype=torch.int32)])
+            upload(self.index[site_id, : len(padded)], padded)
+            self._written[site_id] = new
 
     def gathered(self, site_id: int, num_rows: int) -> torch.Tensor:
         """A copy of the rows a step gathered at `site_id` (the buffer is overwritten by the

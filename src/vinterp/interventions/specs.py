@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from vinterp.wire.specs import (
     Steering,
     capture_sites,
     feature_host,
+    selected,
     selected_count,
     selection_ended,
     selects,
@@ -169,6 +170,10 @@ class WorkerCapture:
 
     def wants(self, position: int, prompt_len: int) -> bool:
         return selects(self.positions, position, prompt_len)
+
+    def wanted(self, first: int, count: int, prompt_len: int) -> Sequence[int]:
+        """The positions of [first, first + count) this capture records, in order."""
+        return selected(self.positions, first, count, prompt_len)
 
 
 @dataclass

@@ -22,9 +22,6 @@ class RowSpan:
     first_position: int
     prompt_len: int
 
-    def positions(self) -> range:
-        return range(self.first_position, self.first_position + self.end - self.start)
-
 
 @dataclass
 class SiteCapture:
@@ -50,15 +47,15 @@ def build_capture_tables(requests: list[tuple[RowSpan, WorkerCapture]]) -> dict[
     so the tables cost a few lists per group, not one per request and site."""
     groups: dict[tuple[str, ...], tuple[list[int], list[tuple[str, list[int]]]]] = {}
     for span, cap in requests:
-        picked = [
-            (span.start + i, p)
-            for i, p in enumerate(span.positions())
-            if cap.wants(p, span.prompt_len)
-        ]
+        picked = cap.wanted(span.first_position, span.end - span.start, span.prompt_len)
         if picked:
             rows, parts = groups.setdefault(cap.sites, ([], []))
-            rows.extend(r for r, _ in picked)
-            parts.append((cap.capture_id, [p for _, p in picked]))
+            offset = span.start - span.first_position  # a position's row in the batch
+            if isinstance(picked, range):
+                rows.extend(range(picked.start + offset, picked.stop + offset))
+            else:
+                rows.extend(p + offset for p in picked)
+            parts.append((cap.capture_id, list(picked)))
     member: dict[str, list[tuple[str, ...]]] = defaultdict(list)  # the groups at each site
     for sites in groups:
         for site in sites:
