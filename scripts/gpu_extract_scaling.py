@@ -49,7 +49,6 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     import vinterp
-    from vinterp.api.extract import store_columns
     from vinterp.bench.extraction import (
         EXTRACT_LAYERS_ALL,
         SPACED_LAYERS,
@@ -58,6 +57,7 @@ def main() -> None:
         time_store_alone,
     )
     from vinterp.bench.workloads import resolve_dtype
+    from vinterp.extraction.request import store_columns
     from vinterp.store import WRITER_THREADS
 
     model, load = model_and_format(args.model)
@@ -75,8 +75,8 @@ def main() -> None:
             model,
             texts,
             case.sites,
-            out,
-            case.positions,
+            out=out,
+            positions=case.positions,
             data_parallel_size=n,
             use_tqdm=False,
             max_model_len=args.max_model_len,

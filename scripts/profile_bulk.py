@@ -178,7 +178,9 @@ def core_window(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str
     out["hooks_ms_per_step"] = {k: v / max(len(busy), 1) for k, v in hooks.items()}
     if busy and busy[0].get("gpu_ms") is not None:
         out["gpu_busy_s"] = sum(r["gpu_ms"] for r in busy) / 1e3
-        gaps = [r["gpu_idle_before_ms"] for r in busy[1:] if r.get("gpu_idle_before_ms") is not None]
+        gaps = [
+            r["gpu_idle_before_ms"] for r in busy[1:] if r.get("gpu_idle_before_ms") is not None
+        ]
         out["gpu_idle_between_s"] = sum(gaps) / 1e3
         out["gpu_idle_gap_ms_p50"] = sorted(gaps)[len(gaps) // 2] if gaps else None
     idle = [r["s"] for r in records if r["kind"] == "idle" and t0 <= r["t"] < t1]
@@ -240,8 +242,8 @@ class Phases:
 
 
 def install_front_end_probes() -> None:
-    from vinterp.api import extract
     from vinterp.engine import vllm_engine
+    from vinterp.extraction import stream as extract
     from vinterp.interventions import capture_files
     from vinterp.store import directory, files, hf_format, writer
 
@@ -301,9 +303,15 @@ def gpu_sampler(path: Path) -> subprocess.Popen | None:
     if shutil.which("nvidia-smi") is None:
         return None
     return subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used", "--format=csv,noheader",
-         "-lms", "100"],
-        stdout=open(path, "w"), stderr=subprocess.DEVNULL,
+        [
+            "nvidia-smi",
+            "--query-gpu=timestamp,utilization.gpu,memory.used",
+            "--format=csv,noheader",
+            "-lms",
+            "100",
+        ],
+        stdout=open(path, "w"),
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -325,7 +333,9 @@ def gpu_utilisation(path: Path, phases: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a SHAPES name, a checkpoint; default bundled")
+    parser.add_argument(
+        "--model", default=None, help="a SHAPES name, a checkpoint; default bundled"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=1024)
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -335,9 +345,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--root", default=None, help="dataset folder (default: a temp dir)")
     parser.add_argument("--skip", default="", help="phases (name up to ':') to skip, commas")
-    parser.add_argument("--engines", default="plain,layers,bulk",
-                        help="plain (plain vLLM's times), layers (buffers at every layer: "
-                        "generation rows, every layer at last_prompt), bulk (the profile)")
+    parser.add_argument(
+        "--engines",
+        default="plain,layers,bulk",
+        help="plain (plain vLLM's times), layers (buffers at every layer: "
+        "generation rows, every layer at last_prompt), bulk (the profile)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--records", default=None, help="copy the engine-core records here")
     args = parser.parse_args()
@@ -357,12 +370,12 @@ def main() -> None:
     import torch
 
     import vinterp
-    from vinterp.api.extract import store_columns
     from vinterp.bench import bench_sae
     from vinterp.bench.extraction import prompt_texts, spaced_layers, time_store_alone
     from vinterp.bench.workloads import checkpoint_config, plain_vllm
     from vinterp.cli import _bench_model
     from vinterp.engine.plain_vllm import greedy_params
+    from vinterp.extraction.request import store_columns
     from vinterp.sae import SAE
 
     install_front_end_probes()
@@ -417,16 +430,20 @@ def main() -> None:
             result = llm.extract(
                 prompts,
                 kwargs.pop("sites", sites),
-                kwargs.pop("positions", "all_prompt"),
+                positions=kwargs.pop("positions", "all_prompt"),
                 out=out,
                 use_tqdm=False,
                 **kwargs,
             )
             stats = result.stats
             info["stats"] = {
-                "rows": stats.rows, "gb": stats.bytes / 1e9, "seconds": stats.seconds,
-                "gb_per_s": stats.gb_per_s, "engine_waited_s": stats.engine_waited_s,
-                "writers_waited_s": stats.writers_waited_s, "shards": stats.shards,
+                "rows": stats.rows,
+                "gb": stats.bytes / 1e9,
+                "seconds": stats.seconds,
+                "gb_per_s": stats.gb_per_s,
+                "engine_waited_s": stats.engine_waited_s,
+                "writers_waited_s": stats.writers_waited_s,
+                "shards": stats.shards,
             }
         shutil.rmtree(out, ignore_errors=True)
 
@@ -445,11 +462,35 @@ def main() -> None:
         with phases.phase("layers: engine start", kwargs=str(kwargs)):
             llm = vinterp.LLM(model, dtype=args.dtype, **kwargs)
         probe_engine_loop(llm)
-        llm.extract(warm, "layers.*.output", "last_prompt", out=root / "warm", use_tqdm=False)
+        llm.extract(
+            warm, "layers.*.output", positions="last_prompt", out=root / "warm", use_tqdm=False
+        )
         shutil.rmtree(root / "warm", ignore_errors=True)
-        generations(llm, "layers", [("gen none", {}), ("gen steer one vector", {"steering": vector}), ("gen none again", {})])
-        extract(llm, "layers: extract every layer at last_prompt", texts, root / "l", sites="layers.*.output", positions="last_prompt")
-        extract(llm, "layers: extract every layer at last_prompt again", texts, root / "m", sites="layers.*.output", positions="last_prompt")
+        generations(
+            llm,
+            "layers",
+            [
+                ("gen none", {}),
+                ("gen steer one vector", {"steering": vector}),
+                ("gen none again", {}),
+            ],
+        )
+        extract(
+            llm,
+            "layers: extract every layer at last_prompt",
+            texts,
+            root / "l",
+            sites="layers.*.output",
+            positions="last_prompt",
+        )
+        extract(
+            llm,
+            "layers: extract every layer at last_prompt again",
+            texts,
+            root / "m",
+            sites="layers.*.output",
+            positions="last_prompt",
+        )
         llm.shutdown()
 
     if "bulk" not in engines:
@@ -477,7 +518,7 @@ def main() -> None:
     with phases.phase("sae.fixed: attach_sae"):
         llm.attach_sae(host, sae)
     llm.generate(warm, max_tokens=1, use_tqdm=False)
-    llm.extract(warm, sites, "all_prompt", out=root / "warm", use_tqdm=False)
+    llm.extract(warm, sites, out=root / "warm", use_tqdm=False)
     shutil.rmtree(root / "warm", ignore_errors=True)
 
     prefill(llm, "prefill (no capture)", texts)
@@ -491,35 +532,64 @@ def main() -> None:
     with switch_interval(0.0005):
         extract(llm, "extract.switch_0.5ms", texts, root / "e")
     if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 40e9:
-        extract(llm, "extract.dev_shm: dataset on /dev/shm", texts, Path(tempfile.mkdtemp(dir="/dev/shm")) / "x")
+        extract(
+            llm,
+            "extract.dev_shm: dataset on /dev/shm",
+            texts,
+            Path(tempfile.mkdtemp(dir="/dev/shm")) / "x",
+        )
     rows = args.prompts * args.prompt_tokens
     columns = store_columns(sites, args.dtype, int(config.hidden_size))
     with phases.phase("store alone (as many rows, 8 writers)", rows=rows):
         time_store_alone(root, columns, rows, 1)
 
     prefill(llm, "sae: prefill of the SAE prompts", sae_texts)
-    extract(llm, f"sae: extract top-{bench_sae.TOPK} {features}", sae_texts, root / "s", sites=[features], topk=bench_sae.TOPK)
-    from vinterp.api.extract import EngineFacts, ExtractionRequest, open_job
+    extract(
+        llm,
+        f"sae: extract top-{bench_sae.TOPK} {features}",
+        sae_texts,
+        root / "s",
+        sites=[features],
+        topk=bench_sae.TOPK,
+    )
+    from vinterp.extraction.request import ExtractionRequest, open_job
+    from vinterp.extraction.spec import EngineFacts
 
     with phases.phase("sae.fixed: open_job (spec, SAE facts, checkpoint identity)"):
-        open_job(EngineFacts.of(llm), ExtractionRequest(sae_texts, [features], "all_prompt", root / "j", topk=bench_sae.TOPK))
+        open_job(
+            EngineFacts.of(llm),
+            ExtractionRequest(
+                prompts=sae_texts, sites=[features], out=root / "j", topk=bench_sae.TOPK
+            ),
+        )
     shutil.rmtree(root / "j", ignore_errors=True)
 
     steer = vinterp.Steering({features: bench_sae.CLAMPED}, mode="clamp")
     cap = vinterp.Capture([features], positions="all", topk=bench_sae.TOPK)
-    generations(llm, "bulk", [
-        ("gen none", {}),
-        ("gen steer one vector", {"steering": vector}),
-        ("gen clamp 4 SAE features", {"steering": steer}),
-        (f"gen capture top-{bench_sae.TOPK} SAE features, all positions", {"capture": cap}),
-        ("gen none again", {}),
-    ])
+    generations(
+        llm,
+        "bulk",
+        [
+            ("gen none", {}),
+            ("gen steer one vector", {"steering": vector}),
+            ("gen clamp 4 SAE features", {"steering": steer}),
+            (f"gen capture top-{bench_sae.TOPK} SAE features, all positions", {"capture": cap}),
+            ("gen none again", {}),
+        ],
+    )
     llm.shutdown()
     finish(args, results, phases, samplers, smi, smi_log, probe_dir)
 
 
-def finish(args: Any, results: dict[str, Any], phases: Phases, samplers: Samplers, smi: Any,
-           smi_log: Path, probe_dir: Path) -> None:
+def finish(
+    args: Any,
+    results: dict[str, Any],
+    phases: Phases,
+    samplers: Samplers,
+    smi: Any,
+    smi_log: Path,
+    probe_dir: Path,
+) -> None:
     samplers.stop.set()
     if smi is not None:
         smi.terminate()
@@ -539,7 +609,11 @@ RATIOS = (  # (row, phase, plain phase)
     ("4 layers every prompt position", "extract.default", "plain: prefill"),
     ("4 layers again", "extract.default again", "plain: prefill"),
     ("every layer at last_prompt", "layers: extract every layer at last_prompt", "plain: prefill"),
-    ("every layer at last_prompt again", "layers: extract every layer at last_prompt again", "plain: prefill"),
+    (
+        "every layer at last_prompt again",
+        "layers: extract every layer at last_prompt again",
+        "plain: prefill",
+    ),
     ("SAE top-k extraction", "sae: extract top-", "plain: prefill of the SAE prompts"),
     ("generation, no intervention", "layers: gen none", "plain: generation"),
     ("generation, one steering vector", "layers: gen steer", "plain: generation"),
@@ -550,12 +624,17 @@ RATIOS = (  # (row, phase, plain phase)
 
 def ratio_lines(done: list[dict[str, Any]]) -> list[str]:
     """Each row's seconds over plain vLLM's (the mean of its plain phases of that name)."""
+
     def seconds(prefix: str, plain: bool) -> float | None:
         if plain:
             found = [d["seconds"] for d in done if d["phase"] in (prefix, prefix + " again")]
         else:
-            found = [d["seconds"] for d in done if d["phase"].startswith(prefix)
-                     and ("again" not in d["phase"] or prefix.endswith("again"))]
+            found = [
+                d["seconds"]
+                for d in done
+                if d["phase"].startswith(prefix)
+                and ("again" not in d["phase"] or prefix.endswith("again"))
+            ]
         if not found:
             return None
         return sum(found) / len(found) if plain else found[0]
@@ -588,17 +667,30 @@ def print_table(done: list[dict[str, Any]]) -> None:
         print(line)
         if "stats" in info:
             s = info["stats"]
-            print(f"    {s['gb']:.2f} GB {s['gb_per_s']:.2f} GB/s engine_waited {s['engine_waited_s']:.2f}s writers_waited {s['writers_waited_s']:.2f}s shards {s['shards']}")
+            print(
+                f"    {s['gb']:.2f} GB {s['gb_per_s']:.2f} GB/s"
+                f" engine_waited {s['engine_waited_s']:.2f}s"
+                f" writers_waited {s['writers_waited_s']:.2f}s shards {s['shards']}"
+            )
         if core.get("hooks_ms_per_step"):
-            print("    hooks ms/step " + ", ".join(f"{k} {v:.2f}" for k, v in core["hooks_ms_per_step"].items()))
+            print(
+                "    hooks ms/step "
+                + ", ".join(f"{k} {v:.2f}" for k, v in core["hooks_ms_per_step"].items())
+            )
         if core.get("worker_file_writes"):
             w = core["worker_file_writes"]
-            print(f"    worker files {w['n']} {w['gb']:.2f} GB in {w['thread_s']:.2f} thread-s; take rpc {core['take_rpc']['n']} {core['take_rpc']['s']:.2f}s")
+            print(
+                f"    worker files {w['n']} {w['gb']:.2f} GB in {w['thread_s']:.2f} thread-s;"
+                f" take rpc {core['take_rpc']['n']} {core['take_rpc']['s']:.2f}s"
+            )
         for label, (n, s) in sorted(info.get("front_end", {}).items()):
             print(f"    {label}: {n} calls {s:.2f} s")
         if info.get("gil"):
             g = info["gil"]
-            print(f"    GIL sleeper overshoot p50 {g['p50_ms']:.2f} ms p99 {g['p99_ms']:.2f} ms total {g['total_s']:.2f} s >5ms {g['over_5ms']}")
+            print(
+                f"    GIL sleeper overshoot p50 {g['p50_ms']:.2f} ms p99 {g['p99_ms']:.2f} ms"
+                f" total {g['total_s']:.2f} s >5ms {g['over_5ms']}"
+            )
         for kind, top in info.get("stacks_ms", {}).items():
             if kind == "other":
                 continue

@@ -18,9 +18,9 @@ import pytest
 import torch
 from killed_extract import KILLED_RUN
 
-from vinterp.api import extract as extract_module
-from vinterp.api.extract import engine_settings
 from vinterp.engine.vllm_boundary.engine_core_calls import collective_rpc_later
+from vinterp.extraction import request as request_module
+from vinterp.extraction.request import engine_settings
 from vinterp.store import SpecMismatchError, StoreError, files
 
 pytestmark = pytest.mark.engine("tiny")
@@ -182,7 +182,7 @@ def test_rows_equal_the_transformers_backends_with_one_prompt_queued_at_a_time(
 ) -> None:
     """Outputs come back while later prompts are still being queued (one at a time here),
     on the vLLM engine and on the transformers reference alike."""
-    monkeypatch.setattr(extract_module, "QUEUED_STEPS", 0)
+    monkeypatch.setattr(request_module, "QUEUED_STEPS", 0)
     kwargs = {"buffer_gb": 1.0, "use_tqdm": False}  # every prompt in one shard
     got = columns_of(
         engines.vllm(tiny_llama).extract(PROMPTS, SITES, out=tmp_path / "v", **kwargs).dataset
@@ -215,7 +215,7 @@ def test_positions_skip_first_dtype_and_too_long_prompts(
     assert lengths[1] >= 512 and lengths[2] == 1
 
     last = llm.extract(
-        prompts, "layers.2.output", "last_prompt", out=tmp_path / "last", dtype="float16"
+        prompts, "layers.2.output", out=tmp_path / "last", positions="last_prompt", dtype="float16"
     ).dataset
     assert last.features["layers.2.output"].feature.dtype == "float16"
     assert last["prompt"][:] == [0, 2, 3]
@@ -224,7 +224,9 @@ def test_positions_skip_first_dtype_and_too_long_prompts(
     assert totals["skipped_too_long"] == 1 and totals["rows"] == 3
 
     out = tmp_path / "list"
-    listed = llm.extract(prompts, "layers.2.output", [0, 1, 5], out=out, skip_first=1).dataset
+    listed = llm.extract(
+        prompts, "layers.2.output", out=out, positions=[0, 1, 5], skip_first=1
+    ).dataset
     assert lengths[0] > 5 and lengths[3] > 5
     assert listed["prompt"][:] == [0, 0, 3, 3] and listed["position"][:] == [1, 5, 1, 5]
     assert manifest(tmp_path / "list")["totals"]["prompts_without_rows"] == 1  # "The"

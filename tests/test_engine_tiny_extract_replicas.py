@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import vinterp
-from vinterp.api.extract_replicas import ReplicaError
 from vinterp.bench.bench_sae import random_sae
+from vinterp.extraction.replicas import ReplicaError
 
 pytestmark = pytest.mark.engine("tiny", releases=True)  # the replicas start their own
 
@@ -56,7 +56,7 @@ def one_engine(engines: Any, tiny_llama: Any, tmp_path_factory: pytest.TempPathF
     """The dataset of one engine in this process."""
     engines.release()  # one engine at a time
     out = tmp_path_factory.mktemp("one") / "acts"
-    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out, **KWARGS)
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **KWARGS)
     assert run.stats.rows == len(run.dataset) > 0 and len(manifest(out)["shards"]) >= 6
     return out
 
@@ -65,7 +65,7 @@ def test_two_replicas_write_the_dataset_one_engine_writes(
     one_engine: Path, tiny_llama: Any, tmp_path: Path
 ) -> None:
     out = tmp_path / "two"
-    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out, data_parallel_size=2, **KWARGS)
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, data_parallel_size=2, **KWARGS)
     assert_same_dataset(out, one_engine)
     assert run.stats.rows == len(run.dataset) and run.stats.shards == len(manifest(out)["shards"])
     assert manifest(out)["complete"]
@@ -88,7 +88,7 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
 
     def run() -> None:
         try:
-            vinterp.extract(tiny_llama, PROMPTS, SITES, out, data_parallel_size=2, **KWARGS)
+            vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, data_parallel_size=2, **KWARGS)
         except BaseException as exc:  # noqa: BLE001 (the test looks at it)
             failure.append(exc)
 
@@ -114,7 +114,7 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
     assert "stay valid" in message and "run again continues" in message
     left = manifest(out)
     assert not left["complete"] and 0 < len(left["shards"]) < len(manifest(one_engine)["shards"])
-    vinterp.extract(tiny_llama, PROMPTS, SITES, out, **KWARGS)  # one engine, here
+    vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **KWARGS)  # one engine, here
     assert_same_dataset(out, one_engine)
 
 
@@ -126,9 +126,9 @@ def test_replicas_load_the_sae_from_its_directory_and_write_one_engines_top_k(
     random_sae(256, seed=0).save(tmp_path / "sae")
     sites = ["layers.1.output.sae.features"]
     kwargs = {**KWARGS, "saes": {"layers.1.output": tmp_path / "sae"}, "topk": 8}
-    vinterp.extract(tiny_llama, PROMPTS[:48], sites, tmp_path / "one", **kwargs)
+    vinterp.extract(tiny_llama, PROMPTS[:48], sites, out=tmp_path / "one", **kwargs)
     vinterp.extract(
-        tiny_llama, PROMPTS[:48], sites, tmp_path / "two", data_parallel_size=2, **kwargs
+        tiny_llama, PROMPTS[:48], sites, out=tmp_path / "two", data_parallel_size=2, **kwargs
     )
     assert manifest(tmp_path / "two")["shards"] == manifest(tmp_path / "one")["shards"]
     a, b = columns(tmp_path / "two"), columns(tmp_path / "one")

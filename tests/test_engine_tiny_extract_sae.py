@@ -19,8 +19,8 @@ import torch
 from killed_extract import KILLED_RUN
 
 import vinterp
-from vinterp.api.extract import engine_settings
 from vinterp.bench.bench_sae import random_sae
+from vinterp.extraction.request import engine_settings
 from vinterp.store import SpecMismatchError
 
 pytestmark = pytest.mark.engine("tiny")

@@ -14,21 +14,15 @@ import torch
 
 import vinterp
 from vinterp import cli
-from vinterp.api.extract import (
-    EngineFacts,
-    dataset_about,
-    engine_settings,
-    expand_sites,
-    extraction_spec,
-    shard_columns,
-    store_columns,
-)
-from vinterp.api.extract_plan import PlannedPrompt
-from vinterp.api.extract_sae import SaeFacts, check_sae_sites, load_saes
-from vinterp.api.prompt_source import prompt_source
 from vinterp.bench.bench_sae import random_sae
 from vinterp.engine.engine_limits import EngineLimits
 from vinterp.engine.outputs import Output
+from vinterp.extraction.plan import PlannedPrompt
+from vinterp.extraction.prompts import prompt_source
+from vinterp.extraction.request import engine_settings, expand_sites, store_columns
+from vinterp.extraction.sae import SaeFacts, check_sae_sites, load_saes
+from vinterp.extraction.spec import EngineFacts, dataset_about, extraction_spec
+from vinterp.extraction.stream import shard_columns
 from vinterp.models.tiny import tiny_config
 from vinterp.sae import SAE
 from vinterp.store import ActivationStore, site_tensor

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vinterp.api import extract
-from vinterp.api.extract_replicas import check_replicas
-from vinterp.api.prompt_source import prompt_source
 from vinterp.engine.engine_limits import EngineLimits
+from vinterp.extraction import request
+from vinterp.extraction import spec as extraction_spec
+from vinterp.extraction.prompts import prompt_source
+from vinterp.extraction.replicas import check_replicas
 from vinterp.store import ActivationStore, SpecMismatchError
 
 SITES = ["layers.1.output"]
@@ -37,15 +38,15 @@ def checkpoint(root: Path, layers: int = 2, weight_bytes: int = 1000) -> Path:
 
 def spec_of(model: Path) -> dict:
     limits = EngineLimits("float32", 128, 256)
-    facts = extract.EngineFacts(str(model), "vllm", SimpleNamespace(hidden_size=64), limits)
+    facts = extraction_spec.EngineFacts(str(model), "vllm", SimpleNamespace(hidden_size=64), limits)
     source = prompt_source(["a prompt", "another"], "text")
-    return extract.extraction_spec(facts, source, SITES, "all_prompt", 0, "float32")
+    return extraction_spec.extraction_spec(facts, source, SITES, "all_prompt", 0, "float32")
 
 
 def open_dataset(out: Path, spec: dict) -> ActivationStore:
     """The dataset as `extract` opens it."""
-    columns = extract.store_columns(SITES, "float32", 64)
-    about = extract.dataset_about(prompt_source(["a prompt"], "text"), columns)
+    columns = request.store_columns(SITES, "float32", 64)
+    about = extraction_spec.dataset_about(prompt_source(["a prompt"], "text"), columns)
     return ActivationStore.open(out, spec, columns, 1 << 20, about)
 
 
@@ -82,9 +83,9 @@ def test_weights_are_read_only_at_their_ends(
         return Counted(opened) if str(file).endswith(".safetensors") else opened
 
     monkeypatch.setattr(builtins, "open", counted)
-    identity = extract.checkpoint_identity(model)
+    identity = extraction_spec.checkpoint_identity(model)
     assert identity is not None and identity["weights"]["model.safetensors"][0] == 64 << 30
-    assert sum(read) == 2 * extract.SAMPLE_BYTES
+    assert sum(read) == 2 * extraction_spec.SAMPLE_BYTES
     assert "transformers_version" not in identity["config"]
 
 
@@ -107,7 +108,7 @@ def test_an_upgrade_of_vinterp_or_vllm_keeps_a_dataset_resumable(
     # a re-saved config (another transformers) of the same weights, too
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "transformers_version": "5.0.0"}))
-    assert extract.versions()["vinterp"] == "99.0.0"
+    assert extraction_spec.versions()["vinterp"] == "99.0.0"
     reopened = open_dataset(out, spec_of(model))  # no SpecMismatchError
     assert reopened.manifest.about["versions"] == first_versions
 
@@ -145,12 +146,12 @@ def test_the_engine_is_kept_at_least_two_steps_ahead() -> None:
     steps store fit the device share of buffer_gb."""
     step = 16384
     limits = EngineLimits("bfloat16", 2047, step, 1024)
-    wide = extract.store_columns([f"layers.{i}.output" for i in range(4)], "bfloat16", 4096)
+    wide = request.store_columns([f"layers.{i}.output" for i in range(4)], "bfloat16", 4096)
     # four 8B layers: one step of rows (512 MiB) fills 2 GB's device share
-    assert extract.queued_tokens(limits, "all_prompt", wide, 2.0) == 2 * step
-    assert extract.queued_tokens(limits, "all_prompt", wide, 16.0) == 4 * step
-    narrow = extract.store_columns(SITES, "float32", 64)
-    assert extract.queued_tokens(limits, "all_prompt", narrow, 2.0) == 4 * step
+    assert request.queued_tokens(limits, "all_prompt", wide, 2.0) == 2 * step
+    assert request.queued_tokens(limits, "all_prompt", wide, 16.0) == 4 * step
+    narrow = request.store_columns(SITES, "float32", 64)
+    assert request.queued_tokens(limits, "all_prompt", narrow, 2.0) == 4 * step
 
 
 def test_a_step_at_last_prompt_stores_a_row_per_sequence() -> None:
@@ -159,8 +160,8 @@ def test_a_step_at_last_prompt_stores_a_row_per_sequence() -> None:
     a row per token would allow."""
     step = 16384
     limits = EngineLimits("bfloat16", 2047, step, 256)
-    every = extract.store_columns([f"layers.{i}.output" for i in range(32)], "bfloat16", 4096)
-    assert extract.queued_tokens(limits, "last_prompt", every, 2.0) == 4 * step
-    assert extract.queued_tokens(limits, "all_prompt", every, 2.0) == 2 * step
-    assert extract.queued_tokens(limits, [0, 1, 2, 3, 4, 5, 6, 7], every, 2.0) == 2 * step
-    assert extract.queued_tokens(limits, [0, 1], every, 2.0) == 3 * step  # 2,047 rows fit
+    every = request.store_columns([f"layers.{i}.output" for i in range(32)], "bfloat16", 4096)
+    assert request.queued_tokens(limits, "last_prompt", every, 2.0) == 4 * step
+    assert request.queued_tokens(limits, "all_prompt", every, 2.0) == 2 * step
+    assert request.queued_tokens(limits, [0, 1, 2, 3, 4, 5, 6, 7], every, 2.0) == 2 * step
+    assert request.queued_tokens(limits, [0, 1], every, 2.0) == 3 * step  # 2,047 rows fit

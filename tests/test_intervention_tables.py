@@ -556,10 +556,14 @@ def test_capture_buffers_write_only_what_changed_and_clear_what_a_longer_step_na
     from vinterp.interventions import capture_buffers
 
     site, stream, other = ORDER["layers.0.output"], ORDER["layers.1.output"], ORDER["embed.output"]
-    bufs = CaptureBuffers(len(ORDER.sites), frozenset({site, stream}), [site, stream], 6, H, torch.float32, "cpu")
+    bufs = CaptureBuffers(
+        len(ORDER.sites), frozenset({site, stream}), [site, stream], 6, H, torch.float32, "cpu"
+    )
     uploads = []
     real = capture_buffers.upload
-    monkeypatch.setattr(capture_buffers, "upload", lambda dst, src: (uploads.append(len(src)), real(dst, src)))
+    monkeypatch.setattr(
+        capture_buffers, "upload", lambda dst, src: (uploads.append(len(src)), real(dst, src))
+    )
     bufs.write({site: torch.tensor([5, 0, 2, 3]), other: torch.tensor([1])})
     assert bufs.index[site].tolist() == [5, 0, 2, 3, 0, 0] and bufs.index[other].abs().sum() == 0
     bufs.write({site: torch.tensor([1]), stream: torch.tensor([4, 4])})

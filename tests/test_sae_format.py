@@ -317,8 +317,15 @@ def test_the_digest_follows_every_change_of_the_weights() -> None:
     assert sae.digest == first == random_sae(64).digest
     sae.W_enc[0, 0] += 1.0  # in place
     changed = sae.digest
-    assert changed != first and changed == vinterp.SAE(**{
-        name: getattr(sae, name) for name in ("architecture", "W_enc", "b_enc", "W_dec", "b_dec")
-    }).digest
+    assert (
+        changed != first
+        and changed
+        == vinterp.SAE(
+            **{
+                name: getattr(sae, name)
+                for name in ("architecture", "W_enc", "b_enc", "W_dec", "b_dec")
+            }
+        ).digest
+    )
     sae.W_enc = random_sae(64).W_enc  # replaced
     assert sae.digest == first

@@ -232,7 +232,7 @@ def test_head_sites_on_a_model_without_them_say_why(name) -> None:
 def test_head_sites_are_captured_not_steered_nor_extracted() -> None:
     from transformers import AutoConfig
 
-    from vinterp.api.extract import expand_sites
+    from vinterp.extraction.request import expand_sites
 
     for part in HEAD_SITES:
         assert not _steerable(f"layers.1.{part}") and _capturable(f"layers.*.{part}")

@@ -24,8 +24,8 @@ import torch
 from transformers import AutoConfig
 
 from vinterp import cli
-from vinterp.api.extract import expand_sites, joined, shard_columns
-from vinterp.api.extract_plan import (
+from vinterp.engine.outputs import Output
+from vinterp.extraction.plan import (
     NO_ROWS,
     TOKENS,
     TOO_LONG,
@@ -34,12 +34,15 @@ from vinterp.api.extract_plan import (
     plan_shards,
     selected,
 )
-from vinterp.api.prompt_source import prompt_source
-from vinterp.engine.outputs import Output
+from vinterp.extraction.prompts import prompt_source
+from vinterp.extraction.request import expand_sites
+from vinterp.extraction.stream import joined, shard_columns
 from vinterp.store import (
     COLUMN_DTYPE,
+    FAILED,
     STORED_DTYPES,
     ActivationStore,
+    InOrderLister,
     PendingShard,
     ShardWriter,
     SpecMismatchError,
@@ -242,6 +245,16 @@ def test_a_write_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="column build failed"):
         writer.close()
     assert store.manifest.shards == []
+
+
+def test_the_lister_lists_in_order_and_never_past_a_failed_item() -> None:
+    """The one in-order lister of the shard writer and the data-parallel driver."""
+    lister: InOrderLister[str] = InOrderLister(3)
+    assert lister.done(4, "b") == [] and lister.waiting == 1
+    assert lister.done(3, "a") == ["a", "b"] and lister.next == 5
+    assert lister.done(6, "d") == []
+    assert lister.done(5, FAILED) == []
+    assert lister.done(7, "e") == [] and lister.next == 5 and lister.waiting == 3
 
 
 def test_shards_finished_out_of_order_are_listed_in_order(tmp_path: Path) -> None:

@@ -66,7 +66,9 @@ class _Recorder:
         for record in done:
             start, end, before = record.pop("_start"), record.pop("_end"), record.pop("_prev")
             record["gpu_ms"] = start.elapsed_time(end)
-            record["gpu_idle_before_ms"] = before.elapsed_time(start) if before is not None else None
+            record["gpu_idle_before_ms"] = (
+                before.elapsed_time(start) if before is not None else None
+            )
             lines.append(record)
         if lines:
             with open(self.path, "a") as file:
@@ -118,13 +120,20 @@ def _patch_runner_hooks(module) -> None:
             output = execute(scheduler_output, *args, **kwargs)
             end.record()
             ended = time.perf_counter()
-            recorder.step({
-                "kind": "step", "t": began, "t_end": ended, "host_ms": (ended - began) * 1e3,
-                "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
-                "uncompiled": bool(runtime.mode.uncompiled),
-                "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
-                "_start": start, "_end": end, "_prev": recorder.last_end,
-            })
+            recorder.step(
+                {
+                    "kind": "step",
+                    "t": began,
+                    "t_end": ended,
+                    "host_ms": (ended - began) * 1e3,
+                    "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
+                    "uncompiled": bool(runtime.mode.uncompiled),
+                    "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
+                    "_start": start,
+                    "_end": end,
+                    "_prev": recorder.last_end,
+                }
+            )
             recorder.last_end = end
             return output
 
@@ -135,12 +144,17 @@ def _patch_runner_hooks(module) -> None:
             began = time.perf_counter()
             output = execute(scheduler_output, *args, **kwargs)
             ended = time.perf_counter()
-            _rec().add({
-                "kind": "step", "t": began, "t_end": ended, "host_ms": (ended - began) * 1e3,
-                "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
-                "uncompiled": bool(runtime.mode.uncompiled),
-                "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
-            })
+            _rec().add(
+                {
+                    "kind": "step",
+                    "t": began,
+                    "t_end": ended,
+                    "host_ms": (ended - began) * 1e3,
+                    "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
+                    "uncompiled": bool(runtime.mode.uncompiled),
+                    "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
+                }
+            )
             return output
 
         runner.execute_model = execute_model
@@ -169,10 +183,15 @@ def _patch_capture_files(module) -> None:
             began = time.perf_counter()
             original(self, values, ready, path)
             size = values.numel() * values.element_size()
-            _rec().add({
-                "kind": "file_write", "t": began, "s": time.perf_counter() - began,
-                "bytes": size, "device": bool(ready is not None),
-            })
+            _rec().add(
+                {
+                    "kind": "file_write",
+                    "t": began,
+                    "s": time.perf_counter() - began,
+                    "bytes": size,
+                    "device": bool(ready is not None),
+                }
+            )
 
         return run
 

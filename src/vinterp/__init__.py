@@ -4,7 +4,6 @@ from vinterp import models
 from vinterp.api import LLM
 from vinterp.api.async_llm import AsyncLLM
 from vinterp.api.client import AsyncClient, Client
-from vinterp.api.extract_replicas import extract
 from vinterp.api.requests import Request
 from vinterp.engine.outputs import Output
 from vinterp.errors import (
@@ -14,6 +13,7 @@ from vinterp.errors import (
     TraceError,
     VinterpError,
 )
+from vinterp.extraction.launch import extract
 from vinterp.sae import SAE
 from vinterp.wire.json_form import captures_from_json
 from vinterp.wire.specs import Capture, Steering

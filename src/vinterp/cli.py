@@ -6,11 +6,11 @@ import argparse
 import os
 from pathlib import Path
 
-from vinterp.api.extract import BUFFER_GB
 from vinterp.bench import extract_pipeline, serve_load, step_cost
 from vinterp.bench.extraction import PROMPT_TOKENS
 from vinterp.bench.peers.registry import PEERS
 from vinterp.bench.workloads import ON_REQUEST, SELECTABLE
+from vinterp.extraction.request import BUFFER_GB
 from vinterp.models.tiny import SHAPES
 from vinterp.serve.client_limits import ServeLimits
 
@@ -226,9 +226,9 @@ def _extract(args: argparse.Namespace) -> None:
     if not args.verbose:
         _quiet_logs()
     import vinterp
-    from vinterp.api.extract_plan import check_positions
-    from vinterp.api.prompt_source import prompt_source
     from vinterp.errors import VinterpError
+    from vinterp.extraction.plan import check_positions
+    from vinterp.extraction.prompts import prompt_source
 
     engine = {
         keyword: getattr(args, name)
@@ -242,8 +242,8 @@ def _extract(args: argparse.Namespace) -> None:
             args.model or vinterp.models.bundled(),
             prompts,
             args.sites,
-            args.out,
-            args.positions,
+            out=args.out,
+            positions=args.positions,
             data_parallel_size=args.data_parallel,
             ray_address=args.ray_address,
             dtype=args.dtype,

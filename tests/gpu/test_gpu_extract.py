@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from vinterp.api.extract import engine_settings
+from vinterp.extraction.request import engine_settings
 from vinterp.sites.names import SiteOrder
 from vinterp.store import site_tensor
 

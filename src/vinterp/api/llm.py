@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from vinterp.api.extract import BUFFER_GB, Extraction, ExtractionRequest, extract_on
 from vinterp.api.front_end import TraceFrontEnd
 from vinterp.api.requests import Request, generate
 from vinterp.api.sae_sites import check_attachable
@@ -13,6 +12,9 @@ from vinterp.api.steering_control import SteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.backend import Backend
 from vinterp.engine.outputs import Output
+from vinterp.extraction.local import extract_on
+from vinterp.extraction.request import BUFFER_GB, ExtractionRequest
+from vinterp.extraction.stream import Extraction
 from vinterp.models.dtype import checkpoint_dtype
 from vinterp.sae import SAE
 from vinterp.sites.modules import check_site_paths
@@ -170,9 +172,9 @@ class LLM(LocalModel):
         self,
         prompts: Any,
         sites: str | list[str],
-        positions: str | list[int] = "all_prompt",
         *,
         out: str | Path,
+        positions: str | list[int] = "all_prompt",
         dtype: str | None = None,
         skip_first: int = 0,
         column: str = "text",
@@ -189,7 +191,15 @@ class LLM(LocalModel):
         `<site>.sae.features.indices` and `.values` (API.md section 5, "Sparse
         autoencoders")."""
         request = ExtractionRequest(
-            prompts, sites, positions, out, dtype, skip_first, column, buffer_gb, topk
+            prompts=prompts,
+            sites=sites,
+            out=out,
+            positions=positions,
+            dtype=dtype,
+            skip_first=skip_first,
+            column=column,
+            buffer_gb=buffer_gb,
+            topk=topk,
         )
         return extract_on(self, request, use_tqdm)
 

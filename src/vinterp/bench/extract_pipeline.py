@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vinterp.api.extract import BUFFER_GB, QUEUED_SHARDS, shard_bytes, store_columns
 from vinterp.bench.harness import Row, target, timed_interleaved
 from vinterp.bench.peers.timing import Timing
+from vinterp.extraction.request import BUFFER_GB, QUEUED_SHARDS, shard_bytes, store_columns
 from vinterp.store import (
     ActivationStore,
     Columns,

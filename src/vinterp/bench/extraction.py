@@ -23,13 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vinterp.api.extract import (
-    BUFFER_GB,
-    ExtractionStats,
-    engine_settings,
-    shard_bytes,
-    store_columns,
-)
 from vinterp.bench.bench_sae import EXPANSION, TOPK, host_site, saved_sae
 from vinterp.bench.harness import (
     REFERENCE,
@@ -52,6 +45,8 @@ from vinterp.bench.workloads import (
     vinterp_engine,
 )
 from vinterp.engine.plain_vllm import greedy_params
+from vinterp.extraction.request import BUFFER_GB, engine_settings, shard_bytes, store_columns
+from vinterp.extraction.stream import ExtractionStats
 from vinterp.sites.names import parse_site
 from vinterp.store import (
     COLUMN_DTYPE,
@@ -296,7 +291,7 @@ def time_extract(
             runs.append(Path(tempfile.mkdtemp(prefix="run-", dir=root)))
             out = runs[-1] / "acts"
             result = llm.extract(
-                prompts, x.sites, x.positions, out=out, topk=x.topk, use_tqdm=False
+                prompts, x.sites, out=out, positions=x.positions, topk=x.topk, use_tqdm=False
             )
             written.append(payload_bytes(result.dataset, x.sites))
             count.append(result.dataset.num_rows)

@@ -305,10 +305,6 @@ class SAE:
             )
 
 
-def _same_tensors(
-    old: list[tuple[torch.Tensor, int]], new: list[tuple[torch.Tensor, int]]
-) -> bool:
+def _same_tensors(old: list[tuple[torch.Tensor, int]], new: list[tuple[torch.Tensor, int]]) -> bool:
     """The same tensor objects at the same versions (none replaced or changed in place)."""
-    return len(old) == len(new) and all(
-        a is b and va == vb for (a, va), (b, vb) in zip(old, new)
-    )
+    return len(old) == len(new) and all(a is b and va == vb for (a, va), (b, vb) in zip(old, new))

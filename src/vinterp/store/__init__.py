@@ -4,6 +4,7 @@ bit for bit in their stored dtype."""
 
 from vinterp.store.directory import ActivationStore
 from vinterp.store.hf_format import Columns, row_size
+from vinterp.store.lister import FAILED, InOrderLister
 from vinterp.store.manifest import Manifest, ShardEntry, SpecMismatchError, StoreError
 from vinterp.store.values import (
     COLUMN_DTYPE,
@@ -22,7 +23,9 @@ __all__ = [
     "ROW_COLUMNS",
     "STORED_DTYPES",
     "WRITER_THREADS",
+    "FAILED",
     "ActivationStore",
+    "InOrderLister",
     "Columns",
     "Manifest",
     "PendingShard",

@@ -5,7 +5,8 @@ queue only when fewer than `threads + queued` are in hand (queued or being writt
 take — the request for its captured rows — is sent only then, so the rows reach host memory
 only when there is room for them. Each writer waits for its shard's rows, builds the columns
 and writes the file; whichever writer finishes a shard lists every shard that is now next in
-order in the manifest (the commit point). A caller that outpaces the disk waits in `put`."""
+order in the manifest (the commit point, through an `InOrderLister`). A caller that outpaces
+the disk waits in `put`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from vinterp.store.directory import ActivationStore
+from vinterp.store.lister import FAILED, InOrderLister
 from vinterp.store.manifest import ShardEntry
 
 # Disk writers. Each first waits for its shard's rows (a take's round trip to the workers and
@@ -57,9 +59,6 @@ class WriterStats:
     rows_waited_s: float = 0.0
 
 
-_FAILED = object()  # a shard that was not written: nothing after it is listed
-
-
 class ShardWriter:
     """Writes put shards to `store` on `threads` writers and lists them in order through
     `commit` (default: the store's manifest); `close` (or leaving the `with` block) waits for
@@ -79,9 +78,9 @@ class ShardWriter:
         self.stats = WriterStats()
         self._room = threading.Condition()  # guards everything below
         self._in_hand, self._bound = 0, threads + queued
-        self._next = self._listed = 0  # the next put and the next to list, in put order
+        self._next = 0  # the next put's index, in put order
         self._number = len(store.manifest.shards)  # the next shard's number (its file name)
-        self._finished: dict[int, ShardEntry | object] = {}  # written, not yet listed
+        self._lister: InOrderLister[ShardEntry] = InOrderLister()  # by put index
         self._error: BaseException | None = None
         self._error_at = -1  # the failed shard's number (the first in order is raised)
         self._queue: queue.SimpleQueue[tuple[int, int, PendingShard] | None] = queue.SimpleQueue()
@@ -100,6 +99,9 @@ class ShardWriter:
         began = time.perf_counter()
         with self._room:
             self._room.wait_for(lambda: self._in_hand < self._bound or self._error is not None)
+            if self._error is not None:  # raised once every shard put before it is done, so
+                # an earlier shard that fails later is the one raised (the first in put order)
+                self._room.wait_for(lambda: self._lister.next >= self._error_at)
             self._raise()
             self._in_hand += 1
         self.stats.caller_waited_s += time.perf_counter() - began
@@ -145,7 +147,7 @@ class ShardWriter:
             try:
                 entry = self._write(index, number, shard)
             except BaseException as exc:
-                self._done(index, _FAILED, exc)
+                self._done(index, FAILED, exc)
             else:
                 self._done(index, entry, None)
             del shard, item
@@ -153,7 +155,7 @@ class ShardWriter:
     def _write(self, index: int, number: int, shard: PendingShard) -> ShardEntry | object:
         """Wait for one shard's rows, build its columns and write its file; after a failure of
         a shard put before it, only take its rows (so the workers hold none) and return
-        _FAILED. Shards put before a failed one are still written: they stay listable, and
+        FAILED. Shards put before a failed one are still written: they stay listable, and
         the first failure in put order is the one raised."""
         began = time.perf_counter()
         rows = shard.take()
@@ -162,7 +164,7 @@ class ShardWriter:
             self.stats.rows_waited_s += waited
             failed = self._error is not None and self._error_at < index
         if failed:
-            return _FAILED
+            return FAILED
         values = shard.build(rows)
         del rows  # the captured data is not held while the file is written
         return self.store.write(number, shard.start, shard.end, values, shard.counts)
@@ -173,19 +175,16 @@ class ShardWriter:
         with self._room:
             if error is not None and (self._error is None or index < self._error_at):
                 self._error, self._error_at = error, index
-            self._finished[index] = entry
-            ready = []
-            while self._finished.get(self._listed, _FAILED) is not _FAILED:
-                ready.append(self._finished.pop(self._listed))
-                self._listed += 1
-            if ready and (self._error is None or self._error_at >= self._listed):
+            ready = self._lister.done(index, entry)
+            listed = self._lister.next  # the index after the last of `ready`
+            if ready and (self._error is None or self._error_at >= listed):
                 try:
-                    self.commit(ready)  # type: ignore[arg-type]
+                    self.commit(ready)
                 except BaseException as exc:
-                    self._error, self._error_at = exc, self._listed - len(ready)
+                    self._error, self._error_at = exc, listed - len(ready)
                 else:
                     self.stats.shards += len(ready)
-                    self.stats.rows += sum(e.rows for e in ready)  # type: ignore[attr-defined]
-                    self.stats.bytes += sum(e.bytes for e in ready)  # type: ignore[attr-defined]
+                    self.stats.rows += sum(e.rows for e in ready)
+                    self.stats.bytes += sum(e.bytes for e in ready)
             self._in_hand -= 1
             self._room.notify_all()

@@ -67,6 +67,16 @@ class Steering(BaseModel):
             vectors = {s: v for s, v in vectors.items() if not _is_feature_site(s)}
         super().__init__(vectors=vectors, **kwargs)
 
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], scale: float = 1.0, **fields: Any) -> Steering:
+        """The control vector in a GGUF file (llama.cpp's and repeng's form): each
+        `direction.N` added at `layers.N.output`, times `scale` (the coefficient); `fields`
+        are the other Steering fields. ValueError naming the file when it holds none
+        (`wire.control_vectors`)."""
+        from vinterp.wire.control_vectors import read_control_vector
+
+        return cls(read_control_vector(path), scale=scale, **fields)
+
     @field_validator("vectors", mode="before")
     @classmethod
     def _vectors(cls, value: Any) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ JSONL file (one object per line, the prompt under `column`) or a `datasets.Datas
 They are read twice: once up front to count, check and hash them (an empty prompt is refused
 before anything runs, and the hash tells a resumed run that the input did not change), then
 from the first prompt a resumed run still needs. A prompt's index is its place in the input
-(a file's line number minus one)."""
+(a file's line number minus one). `tokenize` turns them into token ids in chunks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
+
+TOKENIZE_CHUNK = 1024
 
 
 @dataclass
@@ -99,3 +102,11 @@ def _jsonl_texts(path: Path, column: str) -> Iterator[str]:
 def _dataset_texts(dataset: Any, column: str) -> Iterator[str]:
     for batch in dataset.select_columns([column]).iter(batch_size=1024):
         yield from batch[column]
+
+
+def tokenize(tokenizer: Any, source: PromptSource, start: int) -> Iterator[tuple[int, list[int]]]:
+    """(index, token ids) from prompt `start` on, tokenized in chunks."""
+    prompts = source.from_index(start)
+    while chunk := list(islice(prompts, TOKENIZE_CHUNK)):
+        ids = tokenizer([text for _, text in chunk]).input_ids
+        yield from zip((index for index, _ in chunk), ids)
