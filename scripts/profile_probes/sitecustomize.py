@@ -110,51 +110,34 @@ def _patch_runner_hooks(module) -> None:
         execute = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
-            if kwargs.get("dummy_run", False) or not torch.cuda.is_available():
-                return _host_only(scheduler_output, args, kwargs)
-            recorder = _rec()
-            hooks.clear()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.perf_counter()
-            start.record()
-            output = execute(scheduler_output, *args, **kwargs)
-            end.record()
-            ended = time.perf_counter()
-            recorder.step(
-                {
-                    "kind": "step",
-                    "t": began,
-                    "t_end": ended,
-                    "host_ms": (ended - began) * 1e3,
-                    "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
-                    "uncompiled": bool(runtime.mode.uncompiled),
-                    "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
-                    "_start": start,
-                    "_end": end,
-                    "_prev": recorder.last_end,
-                }
-            )
-            recorder.last_end = end
-            return output
-
-        def _host_only(scheduler_output, args, kwargs):
             if kwargs.get("dummy_run", False):
                 return execute(scheduler_output, *args, **kwargs)
+            recorder = _rec()
             hooks.clear()
+            events = None
+            if torch.cuda.is_available():
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
             began = time.perf_counter()
             output = execute(scheduler_output, *args, **kwargs)
             ended = time.perf_counter()
-            _rec().add(
-                {
-                    "kind": "step",
-                    "t": began,
-                    "t_end": ended,
-                    "host_ms": (ended - began) * 1e3,
-                    "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
-                    "uncompiled": bool(runtime.mode.uncompiled),
-                    "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
-                }
+            record = {
+                "kind": "step",
+                "t": began,
+                "t_end": ended,
+                "host_ms": (ended - began) * 1e3,
+                "tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
+                "uncompiled": bool(runtime.mode.uncompiled),
+                "hooks_ms": {k: v / 1e6 for k, v in hooks.items()},
+            }
+            if events is None:  # no device to time: the host's times only
+                recorder.add(record)
+                return output
+            events[1].record()
+            recorder.step(
+                {**record, "_start": events[0], "_end": events[1], "_prev": recorder.last_end}
             )
+            recorder.last_end = events[1]
             return output
 
         runner.execute_model = execute_model
