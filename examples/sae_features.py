@@ -1,20 +1,23 @@
 """Sparse autoencoder features: which of an SAE's features fire on each token of a few prompts.
 
 The SAE that examples/sae_training.py trains on the residual stream after layer 6 (saved in
-OUT/sae; run that example first with the same --out) is loaded with `vinterp.SAE.load` and
-attached at layers.6.output. One `generate` call captures the top features of every prompt
-token with `vinterp.Capture(..., topk=k)`: the worker encodes the captured rows and returns
-each token's k largest features (indices and values), not the d_sae dense ones. Each token's
-three largest are printed; the picture shows, for the features that most often rank among a
-token's top k, their activation on every token (zero where a feature is not in the top k).
+OUT/sae; where none is saved yet, this script runs that example first, a minute or two on
+the CPU) is loaded with `vinterp.SAE.load` and attached at layers.6.output. One `generate`
+call captures the top features of every prompt token with `vinterp.Capture(..., topk=k)`:
+the worker encodes the captured rows and returns each token's k largest features (indices
+and values), not the d_sae dense ones. Each token's three largest are printed; the picture
+shows, for the features that most often rank among a token's top k, their activation on
+every token (zero where a feature is not in the top k).
 
     .venv/bin/python examples/sae_features.py [--out DIR] [--backend hf]
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -36,14 +39,16 @@ PICTURED = 16  # features in the picture
 
 
 def run(llm: vinterp.LLM, out_dir: Path, sae_dir: Path | None = None) -> dict[str, Any]:
-    """Attach the SAE in `sae_dir` (default OUT/sae), capture each prompt token's top
-    features, print and plot them; return the numbers behind the picture."""
+    """Attach the SAE in `sae_dir` (default OUT/sae, trained there by examples/sae_training.py
+    when missing), capture each prompt token's top features, print and plot them; return the
+    numbers behind the picture (and the training's, when it ran)."""
+    trained = None
+    if sae_dir is None and not (Path(out_dir) / "sae" / "cfg.json").is_file():
+        print(f"no SAE in {Path(out_dir) / 'sae'} yet: training one (examples/sae_training.py)")
+        trained = _sae_training().run(llm, Path(out_dir))
     sae_dir = Path(sae_dir or Path(out_dir) / "sae")
     if not (sae_dir / "cfg.json").is_file():
-        raise SystemExit(
-            f"no SAE in {sae_dir}: run examples/sae_training.py --out {out_dir} first (it "
-            "saves one there), or pass the directory of another SAE of layers.6.output"
-        )
+        raise SystemExit(f"no SAE in {sae_dir}: give the directory of an SAE of {SITE}")
     sae = vinterp.SAE.load(sae_dir)
     llm.attach_sae(SITE, sae)
     capture = vinterp.Capture(FEATURES, positions="all_prompt", topk=TOPK)
@@ -71,7 +76,17 @@ def run(llm: vinterp.LLM, out_dir: Path, sae_dir: Path | None = None) -> dict[st
     )
     result = {"tokens": tokens, "indices": indices, "values": values, "png": png}
     _report(result)
-    return result
+    return {**result, "trained": trained}
+
+
+def _sae_training() -> ModuleType:
+    """examples/sae_training.py, the script beside this one (not a package)."""
+    path = Path(__file__).with_name("sae_training.py")
+    spec = importlib.util.spec_from_file_location("vinterp_example_sae_training", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _report(result: dict[str, Any]) -> None:

@@ -94,7 +94,7 @@ def test_extraction_rows_time_extract_and_hf_hooks_against_plain_prefill(
         enforce_eager=True,
     )
     assert done == list(DENSE)
-    assert [r.key for r in rows] == list(DENSE[:2]) + [extraction.EXTRACT_HF] * 2
+    assert [r.key for r in rows] == list(DENSE[:3]) + [extraction.EXTRACT_HF] * 3
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     texts = extraction.prompt_texts(tokenizer, 8, 32)
     tokens = sum(len(ids) for ids in tokenizer(texts).input_ids)
@@ -102,9 +102,11 @@ def test_extraction_rows_time_extract_and_hf_hooks_against_plain_prefill(
     expected = {
         "extract_layers_all": tokens * 2 * hidden * itemsize,  # layers 1 and 3 (2 on the CPU)
         "extract_layers_last": 8 * 4 * hidden * itemsize,  # every layer, one row a prompt
+        "extract_mid_depth": tokens * hidden * itemsize,  # layer 2, on an engine of 3 layers
     }
+    assert "layers.2.output of 4 layers" in rows[2].name and "stopped there" in rows[2].name
     plain = rows[0].baseline
-    for row, key, ours in zip(rows, [*expected, *expected], [*rows[:2], *rows[:2]]):
+    for row, key, ours in zip(rows, [*expected, *expected], [*rows[:3], *rows[:3]]):
         assert row.baseline is plain and plain.median > 0 and row.measured.median > 0
         assert row.tokens == tokens
         assert ours.key == key and ours.name in row.name  # the HF row names what it repeats

@@ -270,3 +270,36 @@ def test_steering_stays_compiled_and_capture_leaves_only_its_steps(llm, directio
     assert 1 <= captured["uncompiled_steps"] - steered["uncompiled_steps"] <= len(PROMPTS)
     # a last_prompt capture is looked at only in its prompt's step, not in the 7 decoding ones
     assert captured["watched"] - steered["watched"] == len(PROMPTS)
+
+
+def test_ablation_equals_hf_leaves_no_component_and_stays_compiled(llm, hf, baseline) -> None:
+    """A direction found from captures (the mean last-prompt residual of two prompts), ablated
+    at a residual site and an MLP output: the same tokens as HF under the same edit, nothing
+    left along it at the site, the unablated requests of the batch untouched."""
+    found = llm.generate(PROMPTS[:2], max_tokens=1, capture=vinterp.Capture(SITE))
+    direction = torch.stack([o.captures[SITE][-1] for o in found]).mean(0)
+    spec = vinterp.Steering({SITE: direction, "layers.4.mlp.output": direction}, mode="ablate")
+    before = llm.step_stats()
+    batch = [vinterp.Request(p, steering=spec) if i % 2 else p for i, p in enumerate(PROMPTS)]
+    fast = llm.generate(batch, max_tokens=8)
+    assert llm.step_stats()["uncompiled_steps"] == before["uncompiled_steps"]
+    for i, (out, base) in enumerate(zip(fast, baseline)):
+        if i % 2 == 0:
+            assert out.token_ids == base.token_ids
+    reference = hf.generate(PROMPTS[1::2], max_tokens=8, steering=spec)
+    assert _ids(fast[1::2]) == _ids(reference)
+    llm.steering.register("ablated", spec)
+    assert _ids(llm.generate(PROMPTS[1::2], max_tokens=8, steering="ablated")) == _ids(reference)
+    llm.steering.set(spec)  # global
+    try:
+        assert _ids(llm.generate(PROMPTS[1::2], max_tokens=8)) == _ids(reference)
+    finally:
+        llm.steering.clear()
+        llm.steering.unregister("ablated")
+    assert any(out.token_ids != base.token_ids for out, base in zip(fast[1::2], baseline[1::2]))
+    cap = vinterp.Capture([SITE], positions="all_prompt")
+    ablated = llm.generate(PROMPTS[1], max_tokens=1, capture=cap, steering=spec)[0].captures[SITE]
+    unit = direction / direction.norm()
+    plain = llm.generate(PROMPTS[1], max_tokens=1, capture=cap)[0].captures[SITE]
+    assert (plain @ unit).abs().max() > 1.0
+    assert (ablated @ unit).abs().max() < 1e-3 * plain.norm(dim=-1).max()

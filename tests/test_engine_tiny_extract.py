@@ -18,8 +18,10 @@ import pytest
 import torch
 from killed_extract import KILLED_RUN
 
+import vinterp
 from vinterp.engine.vllm_boundary.engine_core_calls import collective_rpc_later
 from vinterp.extraction import request as request_module
+from vinterp.extraction.packing import windows
 from vinterp.extraction.request import engine_settings
 from vinterp.store import SpecMismatchError, StoreError, files
 
@@ -152,6 +154,42 @@ def test_a_failed_run_leaves_the_engine_as_it_was(
         assert torch.equal(resumed[name], whole[name]), name
 
 
+def test_a_packed_corpus_is_extracted_window_by_window_and_resumes(
+    engines: Any, tiny_llama: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A corpus of parquet files packed into 24-token windows: a row per window token, its
+    `prompt` the window's number, its tokens the window's; the rows equal those of the same
+    windows given as token-id prompts; a run the disk stops at its second shard continues to
+    exactly that dataset."""
+    llm = engines.vllm(tiny_llama, **engine_settings(SITES))
+    (tmp_path / "corpus").mkdir()
+    texts = datasets.Dataset.from_dict({"text": PROMPTS * 4})
+    texts.select(range(12)).to_parquet(str(tmp_path / "corpus" / "0.parquet"))
+    texts.select(range(12, 32)).to_parquet(str(tmp_path / "corpus" / "1.parquet"))
+    packed = vinterp.Packed(tmp_path / "corpus", 24)
+    kwargs = {"buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
+    write_atomic = files.write_atomic
+
+    def disk_full(path: Path, write: Any) -> int:
+        if path.name.startswith("data-") and path.name != "data-00000.arrow":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_atomic(path, write)
+
+    monkeypatch.setattr(files, "write_atomic", disk_full)
+    with pytest.raises(StoreError, match="data-00001.arrow"):
+        llm.extract(packed, SITES, out=tmp_path / "packed", **kwargs)
+    monkeypatch.undo()
+    assert len(manifest(tmp_path / "packed")["shards"]) == 1
+    got = columns_of(llm.extract(packed, SITES, out=tmp_path / "packed", **kwargs).dataset)
+    cut = list(windows(PROMPTS * 4, llm.tokenizer, 24))
+    assert len(cut) >= 8 and manifest(tmp_path / "packed")["spec"]["prompts"]["count"] == len(cut)
+    assert got["token"].tolist() == [t for window in cut for t in window]
+    assert got["prompt"].tolist() == [i for i, window in enumerate(cut) for _ in window]
+    want = columns_of(llm.extract(cut, SITES, out=tmp_path / "ids", **kwargs).dataset)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 @pytest.mark.parametrize(
     "settings", [engine_settings(SITES), {}], ids=["extraction engine", "default engine"]
 )
@@ -254,6 +292,12 @@ def test_another_spec_in_the_same_folder_is_refused(
         (PROMPTS, "layers.1.outptu", "cannot be captured"),
         (PROMPTS, "logits", "cannot be captured"),
         (["a", "b", ""], "layers.1.output", "prompt 2 of the list of 3 prompts is empty"),
+        ([[3, 4], []], "layers.1.output", "prompt 1 of the list of 2 prompts has no token ids"),
+        (
+            vinterp.Packed(PROMPTS, 100_000),
+            "layers.1.output",
+            "context_size=100000: this engine takes prompts of at most",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(

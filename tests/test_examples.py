@@ -91,9 +91,13 @@ def test_probe(llm, tmp_path) -> None:
     assert_pngs(result["png"])
 
 
-def test_sae_training(llm, tmp_path) -> None:
+def test_sae_training_run_by_sae_features_on_its_own(llm, tmp_path) -> None:
+    """examples/sae_features.py with no SAE saved trains one with examples/sae_training.py,
+    then shows its features."""
     module = example("sae_training")
-    result = module.run(llm, tmp_path)
+    features = example("sae_features").run(llm, tmp_path)
+    result = features["trained"]
+    assert len(features["indices"]) == len(example("sae_features").PROMPTS)
     losses = result["losses"]
     assert len(losses) == module.STEPS and result["rows"] == result["dataset_rows"] > 1000
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
@@ -160,5 +164,19 @@ def test_sae_features(llm, tmp_path, capsys) -> None:
         top = f"{int(want_indices[-1, 0])}={float(want_values[-1, 0]):.2f}"
         assert top in printed  # the last token's largest feature, as printed
     assert_pngs(result["png"])
-    with pytest.raises(SystemExit, match="run examples/sae_training.py"):
-        module.run(llm, tmp_path / "empty")
+    assert result["trained"] is None  # the SAE saved there was used
+    with pytest.raises(SystemExit, match="no SAE in .*give the directory of an SAE"):
+        module.run(llm, tmp_path, sae_dir=tmp_path / "empty")
+
+
+def test_ablate_a_direction(llm, tmp_path) -> None:
+    result = example("ablate_a_direction").run(llm, tmp_path)
+    plain, ablated = result["separation"], result["ablated_separation"]
+    assert len(plain) == len(ablated) == len(llm.layers)
+    # the held-out prompts lie apart along the direction where it was found...
+    assert plain[result["layer"]] > 1.0
+    # ... and nothing is left along it at any layer once it is ablated there
+    assert max(map(abs, ablated)) < 1e-3 * max(plain)
+    assert abs(result["ablated_sentiment_gap"]) < abs(result["sentiment_gap"])
+    assert llm.steering.active == []
+    assert_pngs(result["png"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from transformers import LlamaConfig
 
 from vinterp.engine.engine_limits import EngineLimits
 from vinterp.extraction import request
@@ -165,3 +166,13 @@ def test_a_step_at_last_prompt_stores_a_row_per_sequence() -> None:
     assert request.queued_tokens(limits, "all_prompt", every, 2.0) == 2 * step
     assert request.queued_tokens(limits, [0, 1, 2, 3, 4, 5, 6, 7], every, 2.0) == 2 * step
     assert request.queued_tokens(limits, [0, 1], every, 2.0) == 3 * step  # 2,047 rows fit
+
+
+def test_an_extraction_runs_the_layers_up_to_its_deepest_site() -> None:
+    config = LlamaConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4)
+    assert request.layers_needed(config, ["layers.2.output", "layers.5.mlp.output"]) == 6
+    assert request.layers_needed(config, "layers.*.attn.output") == 8
+    assert request.layers_needed(config, ["layers.0.input"]) == 1
+    assert request.layers_needed(config, ["embed.output"]) == 1
+    assert request.layers_needed(config, ["layers.3.output.sae.features"]) == 4
+    assert request.layers_needed(config, ["layers.1.output", "final_norm.output"]) is None

@@ -100,6 +100,52 @@ def test_norm_match_scales_with_each_rows_norm() -> None:
     assert torch.allclose(out, x + 0.5 * torch.tensor([[2.0], [10.0]]) * unit)
 
 
+def ablation(direction, scale: float = 1.0, positions=None) -> WorkerSteering:
+    return WorkerSteering(
+        Steering({SITE: direction}, mode="ablate", scale=scale, positions=positions)
+    )
+
+
+def test_ablation_removes_the_component_along_the_direction_and_adds_with_the_rest() -> None:
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
+    direction = torch.tensor([0.0, 3.0, 4.0, 0.0])  # unit (0, .6, .8, 0)
+    x = torch.tensor([[1.0, 2.0, -1.0, 5.0], [0.0, 0.6, 0.8, 0.0], [7.0, 0.0, 0.0, 1.0]])
+    # prompt positions 0 and 2 ablated, 1 not; a plain vector added to every position
+    specs = [ablation(direction, positions=[0, 2]), steer("all", 0.5)]
+    out = steered(state, [request("a", range(3), 3, specs)], [("a", 0, 3)], 3, x)
+    unit = direction / 5
+    by_hand = torch.stack([x[0] - (x[0] @ unit) * unit, x[1], x[2] - (x[2] @ unit) * unit]) + 0.5
+    assert torch.allclose(out, by_hand, atol=1e-6)
+    assert torch.allclose((out - 0.5)[[0, 2]] @ unit, torch.zeros(2), atol=1e-6)
+    half = steered(
+        state, [request("a", range(2), 2, [ablation(direction, 0.5)])], [("a", 0, 2)], 2, x[:2]
+    )
+    assert torch.allclose(half[1], 0.5 * x[1], atol=1e-6)  # x[1] lies along d: half is left
+
+
+def test_two_ablations_at_one_site_subtract_both_projections_in_larger_tables() -> None:
+    state = SteeringPlanner(buffers(), ORDER, SaeRegistry("cpu", torch.float32))
+    first, second = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 1.0, 0.0])
+    both = request("a", range(1), 1, [ablation(first), ablation(second, 2.0)])
+    assert state.plan([both])  # one slot per row in the persistent buffers
+    state.write(lambda: [("a", 0, 1)], 1)
+    x = torch.tensor([[2.0, 3.0, 1.0, 4.0]])
+    out = state.buffers(*site_index(SITE), x)
+    unit = second / second.norm()
+    assert torch.allclose(out[0], x[0] - 2.0 * first - 2.0 * (x[0] @ unit) * unit, atol=1e-6)
+
+
+def test_an_ablation_names_a_direction() -> None:
+    with pytest.raises(ValueError, match="zero vector has no direction"):
+        Steering({SITE: torch.zeros(H)}, mode="ablate")
+    with pytest.raises(ValueError, match="norm_match"):
+        Steering({SITE: torch.ones(H)}, mode="ablate", norm_match=True)
+    with pytest.raises(ValueError, match="SAE feature site"):
+        Steering({f"{SITE}.sae.features": {1: 2.0}}, mode="ablate")
+    spec = Steering({SITE: torch.ones(H)}, mode="ablate", scale=0.5)
+    assert Steering.from_json(spec.to_json()).mode == "ablate"
+
+
 def test_tables_too_large_for_the_buffers_run_uncompiled_with_larger_ones() -> None:
     state = SteeringPlanner(buffers(max_rows=2), ORDER, SaeRegistry("cpu", torch.float32))
     requests = [request(str(i), range(i, i + 1), 0, [steer("all", float(i + 1))]) for i in range(3)]

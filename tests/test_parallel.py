@@ -164,8 +164,11 @@ def cross_stage(llm) -> dict:
 
 @pytest.fixture(scope="module")
 def single_worker_probe(engines, tiny_llama, single_worker_fast):
+    """Everything the parallel layouts are compared with, from one engine start: the probes,
+    then (the SAE attached last) the feature clamp."""
     llm = engines.vllm(tiny_llama)
-    return probe(llm), steered_by_lm_head_row(llm), cross_stage(llm)
+    probes = probe(llm), steered_by_lm_head_row(llm), cross_stage(llm)
+    return (*probes, clamped_with_features(llm, random_sae(256)))
 
 
 def test_single_worker_equals_hf(engines, tiny_llama, single_worker_tokens) -> None:
@@ -230,12 +233,12 @@ def clamped_with_features(llm, sae) -> tuple[list, list]:
 
 
 def test_tensor_parallel_feature_clamp_equals_single_worker_and_hf(
-    engines, tiny_llama, single_worker_tokens
+    engines, tiny_llama, single_worker_tokens, single_worker_probe
 ) -> None:
     """The host residual is whole on every rank: each applies the clamp; the features are
     encoded on the first rank."""
     sae = random_sae(256)
-    want_tokens, want = clamped_with_features(engines.vllm(tiny_llama), sae)
+    want_tokens, want = single_worker_probe[3]
     hf_tokens, hf = clamped_with_features(engines.hf(tiny_llama), sae)
     tokens, got = clamped_with_features(engines.vllm(tiny_llama, tensor_parallel_size=2), sae)
     assert tokens == want_tokens == hf_tokens and tokens != single_worker_tokens
@@ -327,28 +330,6 @@ def rows_sent_on(llm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
     return after, tr.outputs[0].token_ids
 
 
-def test_pipeline_trace_of_a_prompt_over_many_steps_equals_hf(engines, tiny_llama) -> None:
-    """320 tokens in steps of 32 over two stages: the long trace's saves, pattern row and
-    writes, and rows of the first stage written into the second chunk by chunk, equal HF's."""
-    hf = engines.hf(tiny_llama)
-    llm = engines.vllm(
-        tiny_llama, pipeline_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4
-    )
-    ids = prompt_ids(llm, 320)
-    v = torch.randn(256, generator=torch.Generator().manual_seed(5)) * 4
-    got, got_tokens = long_trace(llm, ids, v)
-    want, want_tokens = long_trace(hf, ids, v)
-    assert got_tokens == want_tokens
-    for name in want:
-        close(got[name], want[name])
-    sent, sent_tokens = rows_sent_on(llm, ids)
-    want_sent, want_sent_tokens = rows_sent_on(hf, ids)
-    assert sent_tokens == want_sent_tokens
-    close(sent, want_sent)
-    held = llm.engine.collective_rpc("vinterp_held_state")
-    assert [stage["kept_keys"] for stage in held] == [0, 0]
-
-
 def test_pipeline_logit_lens_of_a_first_stage_layer(engines, tiny_llama) -> None:
     """llm.unembed runs on the last stage, with the first stage's value sent there."""
     hf = engines.hf(tiny_llama)
@@ -380,6 +361,28 @@ def test_pipeline_state_is_freed_after_traces(engines, tiny_llama) -> None:
     assert gc.get_freeze_count() > 10_000
     engines.release()  # the next test starts another configuration anyway
     assert gc.get_freeze_count() == 0
+
+
+def test_pipeline_trace_of_a_prompt_over_many_steps_equals_hf(engines, tiny_llama) -> None:
+    """320 tokens in steps of 32 over two stages: the long trace's saves, pattern row and
+    writes, and rows of the first stage written into the second chunk by chunk, equal HF's."""
+    hf = engines.hf(tiny_llama)
+    llm = engines.vllm(
+        tiny_llama, pipeline_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4
+    )
+    ids = prompt_ids(llm, 320)
+    v = torch.randn(256, generator=torch.Generator().manual_seed(5)) * 4
+    got, got_tokens = long_trace(llm, ids, v)
+    want, want_tokens = long_trace(hf, ids, v)
+    assert got_tokens == want_tokens
+    for name in want:
+        close(got[name], want[name])
+    sent, sent_tokens = rows_sent_on(llm, ids)
+    want_sent, want_sent_tokens = rows_sent_on(hf, ids)
+    assert sent_tokens == want_sent_tokens
+    close(sent, want_sent)
+    held = llm.engine.collective_rpc("vinterp_held_state")
+    assert [stage["kept_keys"] for stage in held] == [0, 0]
 
 
 def test_tensor_and_pipeline_parallel_together(

@@ -14,6 +14,7 @@ import pytest
 import vllm
 
 from vinterp.engine import plugin
+from vinterp.engine.vllm_boundary.kept_layers import beyond
 
 CHECK = """
 from vllm.plugins import load_general_plugins
@@ -143,3 +144,13 @@ def test_sae_hosts_named_at_start_get_capture_buffers() -> None:
     ]
     assert buffers(capture_in_graph=True, sae_clamp_hosts="layers.3.output") is True
     assert with_host_buffers(["layers.3.output"], ["layers.3.output"]) == ["layers.3.output"]
+
+
+def test_an_engine_of_the_first_layers_skips_the_checkpoints_later_ones() -> None:
+    unused = beyond(2)
+    kept = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"]
+    skipped = ["model.layers.2.self_attn.q_proj.weight", "model.layers.17.mlp.down_proj.weight"]
+    shared = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert not any(map(unused, kept + shared)) and all(map(unused, skipped))
+    assert unused("h.3.attn.c_attn.weight") and not unused("h.1.mlp.c_fc.bias")  # GPT-2
+    assert not unused("model.layers.12")  # a name, not a layer's weight

@@ -123,6 +123,8 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
         params, want_params = read_params(llm), read_params(hf)
         for name in PARAMS:
             assert torch.equal(params[name], want_params[name]), name
+    if PATTERN_MODELS.get(arch) == {}:  # the plain tiny model's attention: checked here
+        check_attention_pattern(llm, path, arch)
         k_proj = want_params["layers.1.self_attn.k_proj.weight"]
         assert k_proj.shape == param_shape(llm.config, PARAMS[3])
     else:
@@ -297,13 +299,19 @@ LONG_PROMPT = "one two three four five six seven eight nine ten eleven twelve th
 
 
 @pytest.mark.engine("architectures")
-@pytest.mark.parametrize("arch", PATTERN_MODELS)
+@pytest.mark.parametrize("arch", [arch for arch, changed in PATTERN_MODELS.items() if changed])
 def test_attention_pattern_equals_transformers_eager_attention(engines, arch) -> None:
+    """On the models whose attention differs from the plain tiny one (sliding windows, soft
+    caps): the pattern as `check_attention_pattern` checks it (the others are checked on the
+    engine of `test_architecture_sites_equal_hf`)."""
+    path = vinterp.models.tiny(arch, **PATTERN_MODELS[arch])
+    check_attention_pattern(engines.vllm(path, **TRACED_NOT_INDUCTOR), path, arch)
+
+
+def check_attention_pattern(llm: vinterp.LLM, path: Any, arch: str) -> None:
     """The prompt's whole pattern, each decode step's row over every earlier key (kept from
     earlier steps), and rows picked by head or query, equal to transformers' eager attention
     over the prompt and the generated tokens."""
-    path = vinterp.models.tiny(arch, **PATTERN_MODELS[arch])
-    llm = engines.vllm(path, **TRACED_NOT_INDUCTOR)
     layers = [0] if "attn_logit_softcapping" in PATTERN_MODELS[arch] else [0, len(llm.layers) - 1]
     saved: dict[str, Any] = {}
     with llm.trace(LONG_PROMPT, max_tokens=3, ignore_eos=True) as tr:

@@ -674,8 +674,8 @@ def test_bad_prompt_sources_are_refused_with_the_index(tmp_path: Path) -> None:
         prompt_source("The capital of France is")
     with pytest.raises(ValueError, match="holds no prompts"):
         prompt_source([])
-    with pytest.raises(TypeError, match="prompt 0: expected a string"):
-        prompt_source([[1, 2]])
+    with pytest.raises(TypeError, match="prompt 0: expected a string or a list of token ids"):
+        prompt_source([("a", "tuple")])
 
 
 @pytest.mark.parametrize(

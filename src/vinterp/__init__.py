@@ -14,6 +14,7 @@ from vinterp.errors import (
     VinterpError,
 )
 from vinterp.extraction.launch import extract
+from vinterp.extraction.packing import Packed
 from vinterp.sae import SAE
 from vinterp.wire.json_form import captures_from_json
 from vinterp.wire.specs import Capture, Steering
@@ -28,6 +29,7 @@ __all__ = [
     "Request",
     "SAE",
     "Steering",
+    "Packed",
     "InterventionError",
     "OutOfOrderError",
     "Output",

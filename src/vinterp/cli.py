@@ -228,7 +228,6 @@ def _extract(args: argparse.Namespace) -> None:
     import vinterp
     from vinterp.errors import VinterpError
     from vinterp.extraction.plan import check_positions
-    from vinterp.extraction.prompts import prompt_source
 
     engine = {
         keyword: getattr(args, name)
@@ -237,9 +236,10 @@ def _extract(args: argparse.Namespace) -> None:
     }
     try:
         check_positions(args.positions, args.skip_first)
-        prompts = prompt_source(args.prompts, args.column)
+        model = args.model or vinterp.models.bundled()
+        prompts = _prompts(model, args)
         vinterp.extract(
-            args.model or vinterp.models.bundled(),
+            model,
             prompts,
             args.sites,
             out=args.out,
@@ -252,10 +252,25 @@ def _extract(args: argparse.Namespace) -> None:
             buffer_gb=args.buffer_gb,
             saes=dict(args.sae),
             topk=args.topk,
+            stop_at_deepest=args.stop_at_deepest,
             **engine,
         )
     except (VinterpError, ValueError, TypeError, FileNotFoundError) as exc:
         raise SystemExit(f"vinterp extract: {exc}") from None
+
+
+def _prompts(model: object, args: argparse.Namespace) -> object:
+    """`--prompts`, checked (and packed with the model's tokenizer) before any engine starts."""
+    from vinterp.extraction.prompts import prompt_source
+
+    if args.context_size is None:
+        return prompt_source(args.prompts, args.column)
+    from transformers import AutoTokenizer
+
+    from vinterp.extraction.packing import Packed
+
+    packed = Packed(args.prompts, args.context_size, args.column, args.bos)
+    return prompt_source(packed, tokenizer=AutoTokenizer.from_pretrained(str(model)))
 
 
 # `vinterp extract` options that go to the engine (argparse name -> vinterp.LLM keyword)
@@ -488,10 +503,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     extract.add_argument("--model", default=None, help="HF checkpoint (default: bundled)")
     extract.add_argument(
-        "--prompts", required=True, help="a text file (one prompt per line) or a .jsonl file"
+        "--prompts",
+        required=True,
+        help="a text file (one prompt per line), a .jsonl file, a .parquet file, or a folder "
+        "of parquet files or saved by datasets' save_to_disk",
     )
     extract.add_argument(
-        "--column", default="text", help="the .jsonl field holding the prompt (default: text)"
+        "--column",
+        default="text",
+        help="the .jsonl field or dataset column holding the prompt (default: text)",
+    )
+    extract.add_argument(
+        "--context-size",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="pack the prompts into windows of N tokens as SAELens's activation store cuts "
+        "them (BOS first in each window and between documents), not one prompt each",
+    )
+    extract.add_argument(
+        "--no-bos",
+        dest="bos",
+        action="store_false",
+        help="with --context-size: insert no BOS, only join and cut the documents' tokens",
     )
     extract.add_argument(
         "--sites",
@@ -556,6 +590,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="K",
         help="store each SAE features site (SITE.sae.features) as its K largest features per "
         "token: columns SITE.sae.features.indices and .values",
+    )
+    extract.add_argument(
+        "--full-model",
+        dest="stop_at_deepest",
+        action="store_false",
+        help="run every layer of the model (by default the engine runs only the layers up to "
+        "the deepest site's: later layers are neither loaded nor computed)",
     )
     extract.add_argument("-v", "--verbose", action="store_true", help="vLLM's logs")
     extract.set_defaults(run=_extract)

@@ -23,6 +23,19 @@ from vinterp.wire.specs import Capture, Steering
 BACKENDS = ("vllm", "hf")
 
 
+def kept_layers(num_layers: Any, config: Any) -> int:
+    """`num_layers` checked against the model: 1 up to its depth; ValueError otherwise."""
+    depth = int(config.num_hidden_layers)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise ValueError(f"num_layers: expected an int, got {num_layers!r}")
+    if not 1 <= num_layers <= depth:
+        raise ValueError(
+            f"num_layers={num_layers}: this model has {depth} layers; give 1..{depth} "
+            "(the engine runs layers 0..num_layers-1)"
+        )
+    return num_layers
+
+
 class LocalModel(TraceFrontEnd):
     """What `LLM` and `AsyncLLM` share: a checkpoint on this machine, its configuration and
     tokenizer (loaded before any engine starts, so bad arguments fail fast), the engine's
@@ -51,6 +64,11 @@ class LocalModel(TraceFrontEnd):
         self.config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         check_site_paths(self.config.model_type, sites)
+        num_layers = engine_kwargs.get("num_layers")
+        if num_layers is not None:
+            self.config.num_hidden_layers = kept_layers(num_layers, self.config)
+            if backend == "hf":  # transformers builds the layers its config names
+                engine_kwargs["num_hidden_layers"] = engine_kwargs.pop("num_layers")
         if backend == "vllm":
             from vinterp.engine.vllm_engine import (
                 check_engine_features,
@@ -104,8 +122,12 @@ class LLM(LocalModel):
     than it asked for; it waits for every step, so it is for tests and debugging.
     `sae_clamp_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
     feature steering stays in the compiled graph, with tables of `sae_clamp_features`
-    (default 32) features per host (API.md section 5, "Sparse autoencoders"). Other keyword
-    arguments are vLLM's engine arguments.
+    (default 32) features per host (API.md section 5, "Sparse autoencoders").
+
+    Both backends: `num_layers=N` builds and loads only layers 0..N-1 (what an extraction
+    that stops at layer N-1 needs; `llm.config.num_hidden_layers` is then N, and the logits
+    are those of the final norm applied to layer N-1's output). Other keyword arguments are
+    vLLM's engine arguments.
     """
 
     def __init__(

@@ -38,6 +38,7 @@ from vinterp.bench.workloads import (
     EXTRACT_HF,
     EXTRACT_LAYERS_ALL,
     EXTRACT_LAYERS_LAST,
+    EXTRACT_MID_DEPTH,
     EXTRACT_SAE,
     EXTRACTION,
     PROMPT_TEMPLATE,
@@ -79,6 +80,7 @@ class ExtractionCase:
     positions: str  # all_prompt or last_prompt
     layers: list[int]
     topk: int | None = None
+    num_layers: int | None = None  # the engine's layers (None: the model's)
 
     def columns(self, dtype: str, hidden: int) -> Columns:
         """The dataset's columns (for the store-alone time)."""
@@ -98,6 +100,7 @@ def extractions(config: Any, spaced: int) -> dict[str, ExtractionCase]:
     layers = spaced_layers(n_layers, spaced)
     host = host_site(config)
     features = f"{host}.sae.features"
+    middle = n_layers // 2  # layer 16 of 32: 17 layers run
     return {
         EXTRACT_LAYERS_ALL: ExtractionCase(
             EXTRACT_LAYERS_ALL,
@@ -121,6 +124,15 @@ def extractions(config: Any, spaced: int) -> dict[str, ExtractionCase]:
             "all_prompt",
             [parse_site(host).layer],
             TOPK,
+        ),
+        EXTRACT_MID_DEPTH: ExtractionCase(
+            EXTRACT_MID_DEPTH,
+            f"extract layers.{middle}.output of {n_layers} layers, every prompt position, the "
+            f"engine stopped there",
+            [f"layers.{middle}.output"],
+            "all_prompt",
+            [middle],
+            num_layers=middle + 1,
         ),
     }
 
@@ -285,6 +297,8 @@ def time_extract(
     stats: list[ExtractionStats] = []
     runs: list[Path] = []
     kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
+    if x.num_layers is not None:
+        kwargs["num_layers"] = x.num_layers
     with vinterp_engine(model, dtype, saes, **kwargs) as llm:
 
         def extract(prompts: list[str] = texts) -> None:

@@ -66,7 +66,9 @@ EXTRACT_LAYERS_ALL = "extract_layers_all"
 EXTRACT_LAYERS_LAST = "extract_layers_last"
 EXTRACT_HF = "extract_hf_hooks"
 EXTRACT_SAE = "extract_sae_topk"  # an SAE's top-k features at every prompt position
-EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_SAE, EXTRACT_HF)
+# the middle layer at every prompt position, on an engine that stops there (`num_layers`)
+EXTRACT_MID_DEPTH = "extract_mid_depth"
+EXTRACTION = (EXTRACT_LAYERS_ALL, EXTRACT_LAYERS_LAST, EXTRACT_SAE, EXTRACT_MID_DEPTH, EXTRACT_HF)
 WORKLOADS = (*ONE_WORKER, *pipeline.KEYS, *TENSOR_PARALLEL, *EXTRACTION)
 # Rows run only when `--workloads` names them (the serve load test takes 15 minutes or more),
 # and every row `--workloads` selects from

@@ -8,3 +8,4 @@ CHECK_APPLIED_KEY = "vinterp_check_applied"  # counters of what the site ops app
 CAPTURE_ROWS_KEY = "vinterp_capture_rows"  # rows of each capture buffer (None: max_num_seqs)
 SAE_CLAMP_HOSTS_KEY = "vinterp_sae_clamp_hosts"  # sites whose SAE feature steering is compiled
 SAE_CLAMP_KEY = "vinterp_sae_clamp_features"  # SAE features per host in the steering tables
+NUM_LAYERS_KEY = "vinterp_num_layers"  # the engine builds and loads only the first N layers

@@ -191,7 +191,8 @@ def _steered(
     request: HFRequest, site: str, value: torch.Tensor, positions: range
 ) -> torch.Tensor | None:
     """value + the sum of every applying spec's addend, computed in float32; a norm-matched
-    addend is scaled by the token's norm before any steering at this site."""
+    addend is scaled by the token's norm before any steering at this site, an ablation's is
+    minus scale times the component of that value along its unit direction."""
     specs = [spec for spec in request.steering if site in spec.vectors]
     if not specs:  # most sites of most steps: nothing to compute
         return None
@@ -203,7 +204,10 @@ def _steered(
         for t, position in enumerate(positions):
             if not steers(spec, position, request.prompt_len):
                 continue
-            addend = spec.scale * (norms[t] * unit if spec.norm_match else vector)
+            if spec.mode == "ablate":
+                addend = -spec.scale * torch.dot(value[t].float(), unit) * unit
+            else:
+                addend = spec.scale * (norms[t] * unit if spec.norm_match else vector)
             delta = torch.zeros(value.shape, dtype=torch.float32) if delta is None else delta
             delta[t] += addend
     return None if delta is None else value + delta.to(value.dtype)

@@ -18,7 +18,7 @@ import functools
 import logging
 from typing import Any
 
-from vinterp.engine.config_keys import CONFIG_KEY
+from vinterp.engine.config_keys import CONFIG_KEY, NUM_LAYERS_KEY
 from vinterp.engine.vllm_boundary import targets
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,14 @@ def _patch_load_model(runner_cls: Any) -> None:
 
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if wants_sites(self):
-            from vinterp.engine.worker_ext import install_on_runner
+        if not wants_sites(self):
+            return original(self, *args, **kwargs)
+        from vinterp.engine.vllm_boundary.kept_layers import keeping_layers
+        from vinterp.engine.worker_ext import install_on_runner
 
-            install_on_runner(self)
+        with keeping_layers(self.vllm_config.additional_config.get(NUM_LAYERS_KEY)):
+            result = original(self, *args, **kwargs)
+        install_on_runner(self)
         return result
 
     load_model._vinterp = True  # type: ignore[attr-defined]
@@ -64,6 +67,9 @@ def register() -> None:
         return
     for runner in runners:
         _patch_load_model(runner)
+    from vinterp.engine.vllm_boundary.kept_layers import patch_weight_loading
+
+    patch_weight_loading()
     if platform == "cpu":
         from vinterp.engine.vllm_boundary.cpu_compile_cache import patch_aot_loading
 

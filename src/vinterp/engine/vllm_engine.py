@@ -18,6 +18,7 @@ from vinterp.engine.config_keys import (
     CAPTURE_ROWS_KEY,
     CHECK_APPLIED_KEY,
     CONFIG_KEY,
+    NUM_LAYERS_KEY,
     SAE_CLAMP_HOSTS_KEY,
     SAE_CLAMP_KEY,
     SITE_PATHS_KEY,
@@ -55,7 +56,7 @@ from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 12
+SITES_LAYOUT_VERSION = 13
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def vinterp_engine_settings(
     capture_in_graph_rows: int | str | None = None,
     sae_clamp_hosts: str | list[str] | None = None,
     sae_clamp_features: int = CLAMP_FEATURES,
+    num_layers: int | None = None,
 ) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
     `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
@@ -130,7 +132,9 @@ def vinterp_engine_settings(
     what the sites applied and checks it after every step (`interventions.applied`; None:
     VINTERP_CHECK_APPLIED); `sae_clamp_hosts` names the SAE hosts whose feature steering is
     compiled, with tables of `sae_clamp_features` features each (`interventions.clamp_buffers`),
-    and whose feature captures gather through a capture buffer (`with_host_buffers`)."""
+    and whose feature captures gather through a capture buffer (`with_host_buffers`);
+    `num_layers` tells the workers to load only the first layers (`vllm_boundary.kept_layers`:
+    the engine builds that many through `hf_overrides`)."""
     check_boundary()
     if check_applied is None:
         check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
@@ -148,6 +152,7 @@ def vinterp_engine_settings(
             CHECK_APPLIED_KEY: bool(check_applied),
             SAE_CLAMP_HOSTS_KEY: hosts,
             SAE_CLAMP_KEY: clamp_features_setting(sae_clamp_features),
+            NUM_LAYERS_KEY: num_layers,
         },
     }
 
@@ -173,6 +178,10 @@ def engine_arguments(
     """vLLM's engine arguments for a vinterp engine (sync and async alike), after the
     platform's settings for that many workers."""
     configure_engine_environment(tensor_parallel_size * pipeline_parallel_size)
+    num_layers = engine_kwargs.pop("num_layers", None)
+    if num_layers is not None:
+        overrides = engine_kwargs.pop("hf_overrides", None) or {}
+        engine_kwargs["hf_overrides"] = {**overrides, "num_hidden_layers": num_layers}
     return {
         "model": str(model),
         "dtype": dtype,
@@ -185,6 +194,7 @@ def engine_arguments(
             engine_kwargs.pop("capture_in_graph_rows", None),
             engine_kwargs.pop("sae_clamp_hosts", None),
             engine_kwargs.pop("sae_clamp_features", CLAMP_FEATURES),
+            num_layers,
         ),
         **engine_kwargs,
     }

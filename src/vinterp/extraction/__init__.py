@@ -8,6 +8,7 @@ stopped when run again with the same spec. A module per role:
 - spec: what decides the rows (`extraction_spec`): the engine's facts, the checkpoint's
   identity, and what the manifest says beside it
 - prompts: where prompts come from (`prompt_source`) and their token ids
+- packing: a corpus cut into windows of tokens as SAELens cuts them (`Packed`)
 - plan: the positions kept and how prompts are cut into shards
 - sae: an SAE's sites, stored as their top k features per token
 - stream: shards through one engine's stream of requests onto the disk writers

@@ -4,6 +4,7 @@ of them starts."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,14 @@ from vinterp.extraction.request import (
     ExtractionRequest,
     engine_settings,
     expand_sites,
+    layers_needed,
 )
 from vinterp.extraction.sae import check_sae_sites, load_saes
 from vinterp.extraction.stream import Extraction
 from vinterp.sae import SAE
 from vinterp.sites.names import sae_site
+
+log = logging.getLogger(__name__)
 
 
 def extract(
@@ -41,6 +45,7 @@ def extract(
     ray_address: str | None = None,
     saes: Mapping[str, SAE | str | Path] | None = None,
     engine_dtype: str | None = None,
+    stop_at_deepest: bool = True,
     **engine_kwargs: Any,
 ) -> Extraction:
     """The activations at `sites` of every prompt's `positions` of `model`, written to the
@@ -49,11 +54,15 @@ def extract(
     runs in this process; otherwise the replicas are Ray actors, on the cluster at
     `ray_address` or on one started here. `saes` ({host site: SAE or its directory}) are
     checked here, before any engine starts, and attached in every replica (a directory is
-    loaded there); `engine_dtype` is the engine's (default: the checkpoint's). The keywords
-    up to `use_tqdm` are `llm.extract`'s, with its defaults."""
+    loaded there); `engine_dtype` is the engine's (default: the checkpoint's). Each engine
+    runs only the layers up to the deepest site's (`num_layers`) unless `stop_at_deepest` is
+    False. The keywords up to `use_tqdm` are `llm.extract`'s, with its defaults."""
+    from transformers import AutoConfig
+
     check_replicas(data_parallel_size, tensor_parallel_size, 1, on_gpus=False)
     names = [sites] if isinstance(sites, str) else list(sites)
-    loaded = check_saes(model, names, saes or {}, topk)
+    config = AutoConfig.from_pretrained(str(model))
+    loaded = check_saes(config, names, saes or {}, topk)
     request = ExtractionRequest(
         prompts=prompts,
         sites=names,
@@ -68,6 +77,16 @@ def extract(
     kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
     if engine_dtype is not None:
         kwargs["dtype"] = engine_dtype
+    if stop_at_deepest and "num_layers" not in kwargs:
+        needed = layers_needed(config, names)
+        if needed is not None and needed < int(config.num_hidden_layers):
+            kwargs["num_layers"] = needed
+            log.info(
+                "the extraction engine runs layers 0..%d of %d (the deepest site's); "
+                "stop_at_deepest=False runs them all",
+                needed - 1,
+                int(config.num_hidden_layers),
+            )
     if data_parallel_size == 1 and ray_address is None:
         from vinterp.api.llm import LLM
 
@@ -101,15 +120,12 @@ def extract(
 
 
 def check_saes(
-    model: str | Path, sites: list[str], saes: Mapping[str, SAE | str | Path], topk: int | None
+    config: Any, sites: list[str], saes: Mapping[str, SAE | str | Path], topk: int | None
 ) -> dict[str, SAE]:
     """The SAEs loaded and checked, with the SAE sites and `topk`, against the model's
     config: ValueError before any engine starts."""
-    from transformers import AutoConfig
-
     if not saes and topk is None and not any(sae_site(site) for site in sites):
         return {}
-    config = AutoConfig.from_pretrained(str(model))
     loaded = load_saes(config, saes)
     widths = {site: sae.d_sae for site, sae in loaded.items()}
     check_sae_sites(expand_sites(config, sites), widths, topk)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vinterp.engine.engine_limits import EngineLimits
+from vinterp.extraction.packing import Packed
 from vinterp.extraction.plan import PositionSpec, Shard, check_positions, plan_shards
 from vinterp.extraction.prompts import PromptSource, prompt_source, tokenize
 from vinterp.extraction.sae import check_sae_sites, site_columns
@@ -114,7 +115,8 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
         raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
     if not buffer_gb > 0:
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
-    source = prompt_source(request.prompts, request.column)
+    source = prompt_source(request.prompts, request.column, packing_tokenizer(facts, request))
+    check_window(source, limits)
     spec = extraction_spec(facts, source, sites, positions, skip_first, dtype, topk)
     columns = store_columns(sites, dtype, spec["hidden_size"], topk)
     about = dataset_about(source, columns)
@@ -123,6 +125,28 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
     store = ActivationStore.open(request.out, spec, columns, size, about, shard_tokens)
     queued = queued_tokens(limits, positions, columns, buffer_gb)
     return ExtractionJob(store, source, Capture(sites, positions=positions, topk=topk), queued)
+
+
+def packing_tokenizer(facts: EngineFacts, request: ExtractionRequest) -> Any:
+    """The tokenizer a `Packed` corpus is cut with (the checkpoint's, as the engine's); None
+    for other prompts."""
+    if not isinstance(request.prompts, Packed):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(facts.model_path))
+
+
+def check_window(source: PromptSource, limits: EngineLimits) -> None:
+    """A packed corpus's windows fit the engine: ValueError otherwise (every window would be
+    skipped as too long)."""
+    longest = limits.max_prompt_len
+    if source.window is not None and longest is not None and source.window > longest:
+        raise ValueError(
+            f"context_size={source.window}: this engine takes prompts of at most {longest} "
+            "tokens (max_model_len - 1); give a smaller context_size or start the engine "
+            "with a larger max_model_len"
+        )
 
 
 def store_columns(
@@ -175,6 +199,18 @@ def engine_settings(
     buffered = list(dict.fromkeys(hosts))
     rows = None if positions == "last_prompt" else "step"
     return {"capture_in_graph": buffered, "capture_in_graph_rows": rows}
+
+
+def layers_needed(config: Any, sites: str | list[str]) -> int | None:
+    """The layers an extraction of `sites` runs, up to the deepest site's layer (the embedding
+    alone needs one); None when a site lies past the last layer (`final_norm.output`)."""
+    deepest = 0
+    for site in expand_sites(config, sites):
+        parsed = parse_site(site)
+        if parsed.layer is None and parsed.module != "embed":
+            return None
+        deepest = max(deepest, (parsed.layer or 0) + 1)
+    return deepest
 
 
 def expand_sites(config: Any, sites: str | list[str]) -> list[str]:

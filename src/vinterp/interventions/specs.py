@@ -87,6 +87,11 @@ class WorkerSteering:
         return self.steering.mode == "clamp"
 
     @property
+    def ablates(self) -> bool:
+        """Whether it projects its vectors' directions out (`mode="ablate"`)."""
+        return self.steering.mode == "ablate"
+
+    @property
     def sites(self) -> list[str]:
         """The sites it steers: its vectors' and its features' hosts."""
         return [*self.vectors, *self.features]
@@ -107,6 +112,11 @@ class WorkerSteering:
         if self.norm_match:
             return vector / self.vectors[site].float().norm().clamp_min(1e-12)
         return vector
+
+    def direction(self, site: str) -> torch.Tensor:
+        """The unit direction an ablation projects out at `site`."""
+        vector = self.vectors[site].float()
+        return vector / vector.norm()
 
 
 def content_key(steering: Steering) -> tuple[Any, ...]:

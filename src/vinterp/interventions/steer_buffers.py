@@ -3,12 +3,16 @@
 A CUDA-graph replay runs the kernels recorded at capture and no Python, so per-step steering
 cannot be a decision made at the site. Instead every site computes
 
-    out = x + add[row] + |x| * unit[row] + sae[row],   row = site_rows[token_combo[t], site]
+    out = x + add[row] + |x| * unit[row] - sum_k s[row, k] (x . d[row, k]) d[row, k] + sae[row]
+    row = site_rows[token_combo[t], site]
 
 from buffers at fixed addresses that the runner fills before each step, outside the graph:
 `token_combo` says which combination of steering specs applies to each token of the flat
 batch, `site_rows` which table row that combination adds at each site, `add`/`unit` hold the
-summed plain and norm-matched vectors. Row 0 of both tables is zero and combination 0 maps
+summed plain and norm-matched vectors, `ablate`/`ablate_scale` the unit directions that
+ablation projects out and their scales (one slot in the persistent buffers; a combination
+that ablates more directions at one site gets larger tables, and its step runs uncompiled).
+Row 0 of every table is zero and combination 0 maps
 every site to row 0, so an unsteered token gets exactly `x + 0`. `sae[row]` is what steering
 in the feature basis of an attached SAE adds (`clamp_buffers`: clamped or added features,
 computed from x with the SAE's encoder columns), zero at row 0 as well; only the hosts named at
@@ -47,6 +51,8 @@ class SteerTables:
     site_rows: torch.Tensor  # (combos, sites) int64
     add: torch.Tensor  # (rows, H) model dtype
     unit: torch.Tensor  # (rows, H) model dtype
+    ablate: torch.Tensor  # (rows, slots, H) float32 unit directions
+    ablate_scale: torch.Tensor  # (rows, slots) float32
     clamp: ClampTables | None = None  # SAE features (None: no clamp tables)
 
 
@@ -76,6 +82,9 @@ class SteerBuffers(nn.Module):
         self.register_buffer("site_rows", zeros(max_combos, num_sites), persistent=False)
         self.register_buffer("add", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
         self.register_buffer("unit", zeros(max_rows, hidden_size, dtype=dtype), persistent=False)
+        f32 = torch.float32
+        self.register_buffer("ablate", zeros(max_rows, 1, hidden_size, dtype=f32), persistent=False)
+        self.register_buffer("ablate_scale", zeros(max_rows, 1, dtype=f32), persistent=False)
         self.clamp = None
         if clamp_hosts:
             self.clamp = ClampBuffers(
@@ -90,7 +99,15 @@ class SteerBuffers(nn.Module):
         if not ops_recorded() and self.overflow is not None:
             return self.overflow
         clamp = None if self.clamp is None else self.clamp.tables()
-        return SteerTables(self.token_combo, self.site_rows, self.add, self.unit, clamp)
+        return SteerTables(
+            self.token_combo,
+            self.site_rows,
+            self.add,
+            self.unit,
+            self.ablate,
+            self.ablate_scale,
+            clamp,
+        )
 
     def forward(
         self,
@@ -102,9 +119,10 @@ class SteerBuffers(nn.Module):
         """x plus this step's steering at `site` (the site id as a one-element tensor: a graph
         input, not a constant, so every layer's compiled graph is the same one; `site_id` only
         decides whether the site is a compiled SAE host); `norm_of` is the tensor whose row
-        norms scale norm-matched vectors and whose SAE features are steered (the residual
-        stream when x is one of its two parts). An uncompiled step with no steering skips the
-        ops (Python may decide there, but never while a graph records: `ops_recorded`)."""
+        norms scale norm-matched vectors, whose SAE features are steered and whose component
+        along an ablated direction is removed (the residual stream when x is one of its two
+        parts). An uncompiled step with no steering skips the ops (Python may decide there, but
+        never while a graph records: `ops_recorded`)."""
         if not ops_recorded() and not self.active:
             return x
         t = self.tables()
@@ -114,6 +132,9 @@ class SteerBuffers(nn.Module):
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
         delta = t.add[rows].float() + norm * t.unit[rows].float()
+        directions = t.ablate[rows]  # (tokens, slots, H)
+        along = (source.float().unsqueeze(1) * directions).sum(-1) * t.ablate_scale[rows]
+        delta = delta - (along.unsqueeze(-1) * directions).sum(1)
         hosts = self.clamp.hosts if ops_recorded() and self.clamp is not None else self.clamping
         if t.clamp is not None and site_id in hosts:
             delta = delta + feature_delta(t.clamp, site, source, rows)

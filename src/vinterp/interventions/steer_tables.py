@@ -59,6 +59,8 @@ class SteerPlan:
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
+    ablate: torch.Tensor | None = None
+    ablate_scale: torch.Tensor | None = None
     clamp: ClampTables | None = None  # SAE features' tables, when key changed and any
     clamping: frozenset[int] = frozenset()  # the hosts whose SAE features are steered
     overflow: bool = False  # the tables do not fit the persistent buffers
@@ -101,21 +103,35 @@ def _combinations(
 
 def _tables(
     specs_by_combo: list[tuple[WorkerSteering, ...]], order: SiteOrder, hidden_size: int
-) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-    """site_rows and the summed plain (add) and norm-matched (unit) vectors, row 0 zero."""
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """site_rows; the summed plain (add) and norm-matched (unit) vectors; the directions
+    ablated (rows, slots, H) and their scales (rows, slots), a slot per ablation of the row's
+    combination at its site (one at least). Row 0 is zero."""
     site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
     adds, units = [torch.zeros(hidden_size)], [torch.zeros(hidden_size)]
+    ablations: list[list[tuple[torch.Tensor, float]]] = [[]]
     for combo, specs in enumerate(specs_by_combo):
         for site in dict.fromkeys(s for spec in specs for s in spec.sites):
-            add, unit = torch.zeros(hidden_size), torch.zeros(hidden_size)
+            add, unit, ablated = torch.zeros(hidden_size), torch.zeros(hidden_size), []
             for spec in specs:
-                if site in spec.vectors:
+                if site not in spec.vectors:
+                    continue
+                if spec.ablates:
+                    ablated.append((spec.direction(site), spec.steering.scale))
+                else:
                     target = unit if spec.norm_match else add
                     target += spec.scaled(site)
             site_rows[combo, order[site]] = len(adds)
             adds.append(add)
             units.append(unit)
-    return site_rows, torch.stack(adds), torch.stack(units)
+            ablations.append(ablated)
+    slots = max(1, *map(len, ablations))
+    directions = torch.zeros(len(adds), slots, hidden_size)
+    scales = torch.zeros(len(adds), slots)
+    for row, ablated in enumerate(ablations):
+        for slot, (direction, scale) in enumerate(ablated):
+            directions[row, slot], scales[row, slot] = direction, scale
+    return site_rows, torch.stack(adds), torch.stack(units), directions, scales
 
 
 def _clamp_tables(
@@ -201,7 +217,7 @@ class SteeringPlanner:
             self.order[host] for specs in specs_by_combo for spec in specs for host in spec.features
         )
         if (plan.key, plan.saes) != self._loaded_key:
-            plan.site_rows, plan.add, plan.unit = _tables(
+            plan.site_rows, plan.add, plan.unit, plan.ablate, plan.ablate_scale = _tables(
                 specs_by_combo, self.order, buffers.add.shape[1]
             )
             clamp_buffers = buffers.clamp
@@ -212,6 +228,7 @@ class SteeringPlanner:
             plan.overflow = (
                 len(plan.site_rows) > buffers.site_rows.shape[0]
                 or len(plan.add) > buffers.add.shape[0]
+                or plan.ablate.shape[1] > buffers.ablate.shape[1]
                 or (
                     plan.clamp is not None
                     and (
@@ -254,6 +271,8 @@ class SteeringPlanner:
                 torch.from_numpy(plan.site_rows).to(buffers.site_rows.device),
                 plan.add.to(buffers.add),  # type: ignore[union-attr]
                 plan.unit.to(buffers.unit),  # type: ignore[union-attr]
+                plan.ablate.to(buffers.ablate.device),  # type: ignore[union-attr]
+                plan.ablate_scale.to(buffers.ablate.device),  # type: ignore[union-attr]
                 None if plan.clamp is None else plan.clamp.to(buffers.add.device),
             )
             self._step_tables = (token_combo, plan.site_rows)  # type: ignore[assignment]
@@ -262,6 +281,8 @@ class SteeringPlanner:
             upload(buffers.site_rows[: len(plan.site_rows)], torch.from_numpy(plan.site_rows))
             upload(buffers.add[: len(plan.add)], plan.add.to(buffers.add.dtype))  # type: ignore[arg-type]
             upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
+            upload(buffers.ablate[: len(plan.add)], plan.ablate)  # type: ignore[arg-type]
+            upload(buffers.ablate_scale[: len(plan.add)], plan.ablate_scale)  # type: ignore[arg-type]
             self._load_clamp(plan.clamp)
             self._loaded_key, self._loaded_site_rows = (plan.key, plan.saes), plan.site_rows
         if not np.array_equal(token_combo, self._on_device):

@@ -34,7 +34,7 @@ from vinterp.wire.json_form import tensor_from_json, tensor_to_json
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 Phase = Literal["all", "prefill", "decode"]
-SteerMode = Literal["add", "clamp"]
+SteerMode = Literal["add", "clamp", "ablate"]
 PositionSelector = Literal["last_prompt", "all_prompt", "all_generated", "all"]
 PHASES: tuple[str, ...] = get_args(Phase)
 POSITION_SELECTORS: tuple[str, ...] = get_args(PositionSelector)
@@ -47,8 +47,9 @@ TensorDecoder = Callable[[Any, str], torch.Tensor]
 
 
 class Steering(BaseModel):
-    """Add `scale * vector` at sites of the residual stream, per request or globally; or, at
-    the `<host>.sae.features` site of an attached SAE, add to (`mode="add"`) or set
+    """Add `scale * vector` at sites of the residual stream, per request or globally; project
+    a direction out of them (`mode="ablate"`: x - scale * (x . d) d, d the unit vector); or,
+    at the `<host>.sae.features` site of an attached SAE, add to (`mode="add"`) or set
     (`mode="clamp"`) features: `{"layers.10.output.sae.features": {1234: 8.0}}`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
@@ -156,6 +157,24 @@ class Steering(BaseModel):
                 f"mode: 'clamp' sets SAE features; {next(iter(self.vectors))} is a vector "
                 "site: steer it in another Steering with mode='add'"
             )
+        if self.mode == "ablate":
+            if self.features:
+                raise ValueError(
+                    f"mode: 'ablate' projects directions out of the residual stream; "
+                    f"{next(iter(self.features))} is an SAE feature site: steer it in another "
+                    "Steering with mode='add' or 'clamp'"
+                )
+            if self.norm_match:
+                raise ValueError(
+                    "norm_match: scales added vectors; an ablation removes the direction's "
+                    "component whatever the norm: leave norm_match off with mode='ablate'"
+                )
+            for site, vector in self.vectors.items():
+                if not vector.norm() > 0:
+                    raise ValueError(
+                        f"vectors[{site!r}]: a zero vector has no direction to ablate; give "
+                        "the direction to project out (any nonzero length: it is normalized)"
+                    )
         if self.norm_match and self.features:
             raise ValueError(
                 "norm_match: scales vectors by the residual's norm; it does not apply to SAE "

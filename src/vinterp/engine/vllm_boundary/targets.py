@@ -33,6 +33,7 @@ TRY_VLLM_ENV = "VINTERP_TRY_VLLM"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 CPU_RUNNER = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
+WEIGHT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
 
 
 class VLLMBoundaryError(RuntimeError):
@@ -59,6 +60,17 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{V1_RUNNER}.load_model", "patched: installs the sites after loading", platform="gpu"),
     Target(f"{V2_RUNNER}.load_model", "patched: installs the sites after loading", platform="gpu"),
     Target(f"{CPU_RUNNER}.load_model", "patched: installs the sites after loading", platform="cpu"),
+    # kept_layers.py: an engine with num_layers skips the checkpoint's later layers
+    Target(
+        f"{WEIGHT_LOADER}.get_all_weights",
+        "wrapped: skips the weights of layers a num_layers engine does not build",
+        ("model_config", "model"),
+    ),
+    Target(
+        "vllm.model_executor.model_loader.default_loader:DefaultModelLoader.Source",
+        "read by vLLM from the model: is_unused_checkpoint_weight skips whole shards",
+        fields=("is_unused_weight",),
+    ),
     # runner_hooks.py: each step's schedule, graph mode, batch layout and samples
     Target(
         f"{V1_RUNNER}.execute_model",

@@ -1,0 +1,83 @@
+"""A text corpus packed into windows of `context_size` tokens, as SAELens's activation store
+cuts its training contexts (`concat_and_batch_sequences` with `prepend_bos`).
+
+Each document is tokenized without special tokens and the documents are joined end to end
+with a BOS token between two of them; the stream is cut into windows of exactly
+`context_size` tokens, each starting with BOS (a document that runs past a window's end goes
+on after the next window's BOS). A BOS is never doubled: a document that starts with one
+gets no separator, a window whose first token is one gets no other. The last window, shorter
+than `context_size`, is dropped. With `bos=False` nothing is inserted: the documents' tokens
+are concatenated and cut. The corpus is read as a stream, a chunk of documents at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+TOKENIZE_CHUNK = 1024  # documents tokenized at once
+
+
+@dataclass(frozen=True)
+class Packed:
+    """`vinterp.Packed(corpus, context_size)`: extraction's prompts as windows of a corpus
+    (the module docstring says how they are cut). `corpus` is what `llm.extract` takes as
+    prompts, or a `datasets.IterableDataset`; `column` names the text of a .jsonl file or a
+    dataset; `bos=False` joins and cuts the documents' tokens with nothing inserted."""
+
+    corpus: Any
+    context_size: int
+    column: str = "text"
+    bos: bool = True
+
+    def __post_init__(self) -> None:
+        size = self.context_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise ValueError(f"context_size: expected a whole number >= 2, got {size!r}")
+
+
+def windows(
+    documents: Iterable[str], tokenizer: Any, context_size: int, bos: bool = True
+) -> Iterator[list[int]]:
+    """The windows of `documents` (the module docstring's rules)."""
+    bos_id = tokenizer.bos_token_id if bos else None
+    if bos and bos_id is None:
+        raise ValueError("Packed(bos=True): this tokenizer has no BOS token; pack with bos=False")
+    window: list[int] = []
+    for ids in _tokenized(documents, tokenizer):
+        if bos_id is not None and window and ids[:1] != [bos_id]:
+            window.append(bos_id)  # the separator between two documents
+        offset = 0
+        while offset < len(ids):
+            if not window and bos_id is not None and ids[offset] != bos_id:
+                window.append(bos_id)  # every window starts with BOS
+            take = context_size - len(window)
+            window.extend(ids[offset : offset + take])
+            offset += take
+            if len(window) == context_size:  # (a separator alone may have filled it)
+                yield window
+                window = []
+
+
+def _tokenized(documents: Iterable[Any], tokenizer: Any) -> Iterator[list[int]]:
+    """Each document's token ids without special tokens (a token-id list as it is), in
+    chunks; empty documents left out."""
+    items, first = iter(documents), 0
+    while chunk := list(islice(items, TOKENIZE_CHUNK)):
+        texts = [doc for doc in chunk if isinstance(doc, str)]
+        encoded = iter(tokenizer(texts, add_special_tokens=False).input_ids if texts else [])
+        for number, doc in enumerate(chunk, first):
+            if isinstance(doc, str):
+                ids = next(encoded)
+            elif isinstance(doc, list) and all(isinstance(t, int) for t in doc):
+                ids = doc
+            else:
+                raise TypeError(
+                    f"document {number} of the packed corpus: expected a text or a list of "
+                    f"token ids, got {type(doc).__name__}"
+                )
+            if ids:
+                yield ids
+        first += len(chunk)
