@@ -115,8 +115,8 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
         raise ValueError(f"dtype: expected one of {STORED_DTYPES}, got {dtype!r}")
     if not buffer_gb > 0:
         raise ValueError(f"buffer_gb: expected a size > 0, got {buffer_gb!r}")
+    check_window(request.prompts, limits)
     source = prompt_source(request.prompts, request.column, packing_tokenizer(facts, request))
-    check_window(source, limits)
     spec = extraction_spec(facts, source, sites, positions, skip_first, dtype, topk)
     columns = store_columns(sites, dtype, spec["hidden_size"], topk)
     about = dataset_about(source, columns)
@@ -137,15 +137,18 @@ def packing_tokenizer(facts: EngineFacts, request: ExtractionRequest) -> Any:
     return AutoTokenizer.from_pretrained(str(facts.model_path))
 
 
-def check_window(source: PromptSource, limits: EngineLimits) -> None:
+def check_window(prompts: Any, limits: EngineLimits) -> None:
     """A packed corpus's windows fit the engine: ValueError otherwise (every window would be
-    skipped as too long)."""
+    skipped as too long), before the corpus is read."""
+    window = prompts.context_size if isinstance(prompts, Packed) else None
+    if isinstance(prompts, PromptSource):
+        window = prompts.window
     longest = limits.max_prompt_len
-    if source.window is not None and longest is not None and source.window > longest:
+    if window is not None and longest is not None and window > longest:
         raise ValueError(
-            f"context_size={source.window}: this engine takes prompts of at most {longest} "
-            "tokens (max_model_len - 1); give a smaller context_size or start the engine "
-            "with a larger max_model_len"
+            f"context_size={window}: this engine takes prompts of at most {longest} tokens "
+            "(max_model_len - 1); give a smaller context_size or start the engine with a "
+            "larger max_model_len"
         )
 
 
