@@ -1,7 +1,7 @@
 """Directional ablation: a sentiment direction found from captures, projected out at every layer.
 
-The direction is the mean residual stream (layer 12, last prompt token) of positive prompts
-minus that of negative ones, read with `vinterp.Capture`. Ablating it
+The direction is examples/steering.py's: the mean residual stream (layer 12, last prompt
+token) of positive prompts minus that of negative ones, read with `vinterp.Capture`. Ablating it
 (`vinterp.Steering(..., mode="ablate")`, x - (x . u) u at every layer's output) removes what
 the model writes along it: the plot shows, per layer, how far apart positive and negative
 held-out prompts lie along the direction with and without the ablation, and the report how
@@ -12,6 +12,7 @@ much the next-word sentiment of those prompts still follows their context.
 
 from __future__ import annotations
 
+import runpy
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +22,20 @@ import vinterp
 from vinterp import plot
 
 LAYER = 12
-POSITIVE = [
-    "I love this, it is wonderful",
-    "What a great and happy day",
-    "This is excellent, I am delighted",
-    "Such a beautiful, joyful moment",
-]
-NEGATIVE = [
-    "I hate this, it is awful",
-    "What a terrible and sad day",
-    "This is horrible, I am disgusted",
-    "Such an ugly, painful moment",
-]
+# examples/steering.py, the script beside this one: its contrasting prompts, its sentiment
+# words and how it finds the direction
+STEERING = runpy.run_path(str(Path(__file__).with_name("steering.py")))
+POSITIVE, NEGATIVE, GOOD, BAD = (STEERING[name] for name in ("POSITIVE", "NEGATIVE", "GOOD", "BAD"))
 # held out: the direction is not fitted on them
 HELD_OUT_POSITIVE = ["I loved the movie, it was", "We had a fantastic trip, the hotel was"]
 HELD_OUT_NEGATIVE = ["I hated the movie, it was", "We had a miserable trip, the hotel was"]
-GOOD = (" great", " good", " wonderful")
-BAD = (" terrible", " bad", " awful")
 
 
 def run(llm: vinterp.LLM, out_dir: Path, layer: int = LAYER) -> dict[str, Any]:
     """Find the direction, ablate it at every layer, plot the separation along it per layer,
     return the numbers behind the plot."""
     site = f"layers.{layer}.output"
-    capture = vinterp.Capture(site, positions="last_prompt")
-    outs = llm.generate(POSITIVE + NEGATIVE, max_tokens=1, capture=capture)
-    rows = torch.stack([out.captures[site][-1] for out in outs])
-    direction = rows[: len(POSITIVE)].mean(0) - rows[len(POSITIVE) :].mean(0)
+    direction = STEERING["contrast_direction"](llm, site, POSITIVE, NEGATIVE)
     layers = range(int(llm.config.num_hidden_layers))
     ablate = vinterp.Steering({f"layers.{i}.output": direction for i in layers}, mode="ablate")
     good, bad = ([llm.tokenizer(w).input_ids[0] for w in words] for words in (GOOD, BAD))
@@ -105,21 +93,14 @@ def _log_odds(
     bad: list[int],
     steering: vinterp.Steering | None,
 ) -> torch.Tensor:
-    """Per prompt, log(sum p(good)) - log(sum p(bad)) for the next token under `steering`
-    (set globally for the trace, which takes no per-request steering)."""
+    """examples/steering.py's `log_odds` of `prompts` with `steering` set globally (a trace
+    takes no per-request steering)."""
     if steering is not None:
         llm.steering.set(steering)
     try:
-        with llm.trace(max_tokens=1) as tr:
-            per_prompt = []
-            for prompt in prompts:
-                with tr.invoke(prompt):
-                    logits = llm.logits[0]
-                    odds = torch.logsumexp(logits[good], -1) - torch.logsumexp(logits[bad], -1)
-                    per_prompt.append(odds.save())
+        return STEERING["log_odds"](llm, prompts, good, bad)
     finally:
         llm.steering.clear()
-    return torch.stack(per_prompt)
 
 
 def _report(result: dict[str, Any]) -> None:

@@ -14,10 +14,9 @@ every token (zero where a feature is not in the top k).
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -45,7 +44,8 @@ def run(llm: vinterp.LLM, out_dir: Path, sae_dir: Path | None = None) -> dict[st
     trained = None
     if sae_dir is None and not (Path(out_dir) / "sae" / "cfg.json").is_file():
         print(f"no SAE in {Path(out_dir) / 'sae'} yet: training one (examples/sae_training.py)")
-        trained = _sae_training().run(llm, Path(out_dir))
+        training = runpy.run_path(str(Path(__file__).with_name("sae_training.py")))
+        trained = training["run"](llm, Path(out_dir))
     sae_dir = Path(sae_dir or Path(out_dir) / "sae")
     if not (sae_dir / "cfg.json").is_file():
         raise SystemExit(f"no SAE in {sae_dir}: give the directory of an SAE of {SITE}")
@@ -77,16 +77,6 @@ def run(llm: vinterp.LLM, out_dir: Path, sae_dir: Path | None = None) -> dict[st
     result = {"tokens": tokens, "indices": indices, "values": values, "png": png}
     _report(result)
     return {**result, "trained": trained}
-
-
-def _sae_training() -> ModuleType:
-    """examples/sae_training.py, the script beside this one (not a package)."""
-    path = Path(__file__).with_name("sae_training.py")
-    spec = importlib.util.spec_from_file_location("vinterp_example_sae_training", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _report(result: dict[str, Any]) -> None:

@@ -94,16 +94,21 @@ def contrast_direction(
 
 
 def _sentiment(llm: vinterp.LLM, good: list[int], bad: list[int]) -> float:
-    """Mean over NEUTRAL of log(sum p(good)) - log(sum p(bad)) for the next token, under
+    """Mean over NEUTRAL of `log_odds`, under whatever global steering is set."""
+    return float(log_odds(llm, NEUTRAL, good, bad).mean())
+
+
+def log_odds(llm: vinterp.LLM, prompts: list[str], good: list[int], bad: list[int]) -> torch.Tensor:
+    """Per prompt, log(sum p(good)) - log(sum p(bad)) for the next token, in one trace under
     whatever global steering is set (the softmax normalizer cancels, so raw logits do)."""
     with llm.trace(max_tokens=1) as tr:
         per_prompt = []
-        for prompt in NEUTRAL:
+        for prompt in prompts:
             with tr.invoke(prompt):
                 logits = llm.logits[0]
                 odds = torch.logsumexp(logits[good], -1) - torch.logsumexp(logits[bad], -1)
                 per_prompt.append(odds.save())
-    return float(torch.stack(per_prompt).mean())
+    return torch.stack(per_prompt)
 
 
 def _steered_generations(llm: vinterp.LLM, site: str, direction: torch.Tensor) -> dict[float, str]:

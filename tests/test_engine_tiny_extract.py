@@ -119,14 +119,8 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_dataset(
         assert torch.equal(got[name], want[name]), name
 
 
-def test_a_failed_run_leaves_the_engine_as_it_was(
-    engines: Any, tiny_llama: Any, prompts_file: Path, tmp_path: Path, monkeypatch: Any
-) -> None:
-    """The disk fills up at the second shard: a StoreError naming it; the requests still
-    queued are aborted and the workers hold none of the run's rows, so the next calls answer
-    as before; the same run, once there is room, finishes the dataset an unbroken run gives."""
-    llm = engines.vllm(tiny_llama, **engine_settings(SITES))
-    before = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=3, use_tqdm=False)]
+def fill_the_disk_after_the_first_shard(monkeypatch: Any) -> None:
+    """Every shard file after the first fails to write, as on a full disk."""
     write_atomic = files.write_atomic
 
     def disk_full(path: Path, write: Any) -> int:
@@ -135,6 +129,17 @@ def test_a_failed_run_leaves_the_engine_as_it_was(
         return write_atomic(path, write)
 
     monkeypatch.setattr(files, "write_atomic", disk_full)
+
+
+def test_a_failed_run_leaves_the_engine_as_it_was(
+    engines: Any, tiny_llama: Any, prompts_file: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The disk fills up at the second shard: a StoreError naming it; the requests still
+    queued are aborted and the workers hold none of the run's rows, so the next calls answer
+    as before; the same run, once there is room, finishes the dataset an unbroken run gives."""
+    llm = engines.vllm(tiny_llama, **engine_settings(SITES))
+    before = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=3, use_tqdm=False)]
+    fill_the_disk_after_the_first_shard(monkeypatch)
     kwargs = {"skip_first": 1, "buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
     out = tmp_path / "full"
     with pytest.raises(StoreError, match="data-00001.arrow.*No space left on device"):
@@ -168,14 +173,7 @@ def test_a_packed_corpus_is_extracted_window_by_window_and_resumes(
     texts.select(range(12, 32)).to_parquet(str(tmp_path / "corpus" / "1.parquet"))
     packed = vinterp.Packed(tmp_path / "corpus", 24)
     kwargs = {"buffer_gb": SMALL_BUFFER_GB, "use_tqdm": False}
-    write_atomic = files.write_atomic
-
-    def disk_full(path: Path, write: Any) -> int:
-        if path.name.startswith("data-") and path.name != "data-00000.arrow":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write_atomic(path, write)
-
-    monkeypatch.setattr(files, "write_atomic", disk_full)
+    fill_the_disk_after_the_first_shard(monkeypatch)
     with pytest.raises(StoreError, match="data-00001.arrow"):
         llm.extract(packed, SITES, out=tmp_path / "packed", **kwargs)
     monkeypatch.undo()
