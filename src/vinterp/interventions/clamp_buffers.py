@@ -117,19 +117,19 @@ class ClampTables:
         columns and rows are copied from the SAE's device)."""
         idx = torch.tensor(features, dtype=torch.long, device=sae.device)
 
-        def host(t: torch.Tensor) -> torch.Tensor:
+        def to_cpu(t: torch.Tensor) -> torch.Tensor:
             return t.to("cpu", torch.float32)
 
         n = len(features)
         self.norm[slot] = NORMS[sae.normalize_activations]
         if sae.architecture != "topk":  # a top-k SAE is only added to: no encoder needed
-            self.enc[slot, :n] = host(sae.W_enc[:, idx].T)
-            self.bias[slot, :n] = host(sae.b_enc[idx])
+            self.enc[slot, :n] = to_cpu(sae.W_enc[:, idx].T)
+            self.bias[slot, :n] = to_cpu(sae.b_enc[idx])
         if sae.apply_b_dec_to_input:
-            self.b_in[slot] = host(sae.b_dec)
+            self.b_in[slot] = to_cpu(sae.b_dec)
         if sae.threshold is not None:
-            self.threshold[slot, :n] = host(sae.threshold[idx])
-        dec = host(sae.W_dec[idx])
+            self.threshold[slot, :n] = to_cpu(sae.threshold[idx])
+        dec = to_cpu(sae.W_dec[idx])
         if sae.rescale_acts_by_decoder_norm:
             dec = dec / dec.norm(dim=-1, keepdim=True)
         self.dec[slot, :n] = dec

@@ -1,4 +1,5 @@
-"""Every vLLM internal vinterp hooks, patches or reads, with the releases it was verified on.
+"""Every vLLM internal vinterp hooks, patches or reads, and the releases they were verified on
+(`VERIFIED_VLLM`).
 
 vLLM's model runners, engine-core client and layers are not a public API: a release may move
 a method, rename a keyword or drop a field. A hook whose target moved would either fail deep
@@ -52,7 +53,6 @@ class Target:
     fields: tuple[str, ...] = ()  # fields (dataclass or class attributes) vinterp reads
     instance: tuple[str, ...] = ()  # attributes its instances set on themselves (self.x = ...)
     platform: str = "any"  # "cpu", "gpu" or "any": where an engine runs through it
-    verified: tuple[str, ...] = ("0.32.0",)
 
 
 TARGETS: tuple[Target, ...] = (
