@@ -23,7 +23,7 @@ from vinterp.wire.specs import Capture, Steering
 BACKENDS = ("vllm", "hf")
 
 
-def kept_layers(num_layers: Any, config: Any) -> int:
+def checked_num_layers(num_layers: Any, config: Any) -> int:
     """`num_layers` checked against the model: 1 up to its depth; ValueError otherwise."""
     depth = int(config.num_hidden_layers)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
@@ -66,7 +66,7 @@ class LocalModel(TraceFrontEnd):
         check_site_paths(self.config.model_type, sites)
         num_layers = engine_kwargs.get("num_layers")
         if num_layers is not None:
-            self.config.num_hidden_layers = kept_layers(num_layers, self.config)
+            self.config.num_hidden_layers = checked_num_layers(num_layers, self.config)
             if backend == "hf":  # transformers builds the layers its config names
                 engine_kwargs["num_hidden_layers"] = engine_kwargs.pop("num_layers")
         if backend == "vllm":

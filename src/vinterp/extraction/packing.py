@@ -46,7 +46,7 @@ def windows(
     if bos and bos_id is None:
         raise ValueError("Packed(bos=True): this tokenizer has no BOS token; pack with bos=False")
     window: list[int] = []
-    for ids in _tokenized(documents, tokenizer):
+    for ids in filter(None, token_ids(documents, tokenizer, special_tokens=False)):
         if bos_id is not None and window and ids[:1] != [bos_id]:
             window.append(bos_id)  # the separator between two documents
         offset = 0
@@ -61,23 +61,23 @@ def windows(
                 window = []
 
 
-def _tokenized(documents: Iterable[Any], tokenizer: Any) -> Iterator[list[int]]:
-    """Each document's token ids without special tokens (a token-id list as it is), in
-    chunks; empty documents left out."""
-    items, first = iter(documents), 0
-    while chunk := list(islice(items, TOKENIZE_CHUNK)):
-        texts = [doc for doc in chunk if isinstance(doc, str)]
-        encoded = iter(tokenizer(texts, add_special_tokens=False).input_ids if texts else [])
-        for number, doc in enumerate(chunk, first):
-            if isinstance(doc, str):
-                ids = next(encoded)
-            elif isinstance(doc, list) and all(isinstance(t, int) for t in doc):
-                ids = doc
+def token_ids(items: Iterable[Any], tokenizer: Any, special_tokens: bool) -> Iterator[list[int]]:
+    """Each item's token ids, texts tokenized a chunk at a time (with or without the
+    tokenizer's special tokens), token-id lists as they are; TypeError naming any other."""
+    stream, first = iter(items), 0
+    while chunk := list(islice(stream, TOKENIZE_CHUNK)):
+        texts = [item for item in chunk if isinstance(item, str)]
+        encoded = iter(
+            tokenizer(texts, add_special_tokens=special_tokens).input_ids if texts else []
+        )
+        for number, item in enumerate(chunk, first):
+            if isinstance(item, str):
+                yield next(encoded)
+            elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+                yield item
             else:
                 raise TypeError(
-                    f"document {number} of the packed corpus: expected a text or a list of "
-                    f"token ids, got {type(doc).__name__}"
+                    f"item {number}: expected a text or a list of token ids, "
+                    f"got {type(item).__name__}"
                 )
-            if ids:
-                yield ids
         first += len(chunk)

@@ -14,16 +14,13 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import islice
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vinterp.extraction.packing import Packed, windows
-
-TOKENIZE_CHUNK = 1024
-
+from vinterp.extraction.packing import Packed, token_ids, windows
 
 Prompt = str | list[int]
 
@@ -198,9 +195,5 @@ def _dataset_texts(dataset: Any, column: str) -> Iterator[Any]:
 def tokenize(tokenizer: Any, source: PromptSource, start: int) -> Iterator[tuple[int, list[int]]]:
     """(index, token ids) from prompt `start` on: texts tokenized in chunks, token ids as
     they are."""
-    prompts = source.from_index(start)
-    while chunk := list(islice(prompts, TOKENIZE_CHUNK)):
-        texts = [prompt for _, prompt in chunk if isinstance(prompt, str)]
-        encoded = iter(tokenizer(texts).input_ids if texts else [])
-        for index, prompt in chunk:
-            yield index, next(encoded) if isinstance(prompt, str) else prompt
+    prompts = (prompt for _, prompt in source.from_index(start))  # indices start, start + 1...
+    return zip(count(start), token_ids(prompts, tokenizer, special_tokens=True))
