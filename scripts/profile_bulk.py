@@ -510,7 +510,7 @@ def main() -> None:
         **common,
         "capture_in_graph": list(dict.fromkeys([*sites, host])),
         "capture_in_graph_rows": "step",
-        "sae_clamp_hosts": host,
+        "sae_steering_hosts": host,
     }
     with phases.phase("bulk: engine start", kwargs=str(engine_kwargs)):
         llm = vinterp.LLM(model, dtype=args.dtype, **engine_kwargs)

@@ -230,6 +230,50 @@ def test_only_engine_imports_vllm_and_only_the_boundary_reaches_its_internals() 
     assert internal == []
 
 
+# Attributes of vLLM's engines, configurations and workers: read only in engine/vllm_boundary/
+VLLM_INTERNALS = {
+    "llm_engine",
+    "engine_core",
+    "vllm_config",
+    "model_config",
+    "scheduler_config",
+    "cache_config",
+    "parallel_config",
+    "compilation_config",
+    "additional_config",
+    "model_runner",
+}
+
+
+def internal_reads(name: str) -> list[str]:
+    """`module:line .attribute` for each read of a vLLM internal attribute in module `name`."""
+    return [
+        f"{name}:{node.lineno} .{node.attr}"
+        for node in ast.walk(TREES[name])
+        if isinstance(node, ast.Attribute) and node.attr in VLLM_INTERNALS
+    ]
+
+
+def test_only_the_boundary_reads_vllms_engine_config_and_workers() -> None:
+    """What the import test cannot see: an attribute chain into a vLLM object passed in
+    (`llm.llm_engine.engine_core`, `runner.vllm_config`) goes through vllm_boundary/."""
+    found = [
+        read
+        for name in SOURCES
+        if not name.startswith("vinterp.engine.vllm_boundary")
+        for read in internal_reads(name)
+    ]
+    assert found == []
+
+
+def test_internal_read_finder_sees_a_read() -> None:
+    TREES["probe"] = ast.parse("def f(llm):\n    return llm.llm_engine.vllm_config\n")
+    try:
+        assert internal_reads("probe") == ["probe:2 .vllm_config", "probe:2 .llm_engine"]
+    finally:
+        del TREES["probe"]
+
+
 def test_vllm_import_finder_sees_an_import() -> None:
     TREES["probe"] = ast.parse("def f():\n    from vllm.distributed import get_pp_group\n")
     try:

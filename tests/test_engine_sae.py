@@ -56,7 +56,7 @@ def sae(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(engines, sae):
-    llm = engines.vllm(sae_clamp_hosts=SITE)  # feature steering compiled at the host
+    llm = engines.vllm(sae_steering_hosts=SITE)  # feature steering compiled at the host
     llm.attach_sae(SITE, sae)
     return llm
 

@@ -77,9 +77,10 @@ def no_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engines_on_a_gpu_spawn_their_processes(on_gpu: None) -> None:
     import os
 
+    from vinterp.engine.settings import EngineSettings
     from vinterp.engine.vllm_engine import engine_arguments
 
-    arguments = engine_arguments("model", "bfloat16", 1, 1, None, {})
+    arguments = engine_arguments("model", "bfloat16", 1, 1, EngineSettings(), {})
     assert arguments["model"] == "model"
     assert os.environ[MULTIPROC_METHOD] == "spawn"
 

@@ -21,11 +21,13 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from types import SimpleNamespace
-from vinterp.engine.plugin import wants_sites
+from vinterp.engine.plugin import vinterp_settings
+from vinterp.engine.settings import EngineSettings
 assert getattr(CPUModelRunner.__dict__["load_model"], "_vinterp", False), "load_model not patched"
 plain = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
-ours = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"vinterp_sites": 5}))
-assert not wants_sites(plain) and wants_sites(ours)
+config = EngineSettings(num_layers=3).to_config()
+ours = SimpleNamespace(vllm_config=SimpleNamespace(additional_config=config))
+assert vinterp_settings(plain) is None and vinterp_settings(ours).num_layers == 3
 print("ok")
 """
 
@@ -39,8 +41,9 @@ def test_plugin_patches_runners_in_a_process_without_vinterp_engines() -> None:
 
 
 def test_only_verified_vllm_releases_start_vinterp_engines(monkeypatch) -> None:
+    from vinterp.engine.settings import EngineSettings
     from vinterp.engine.vllm_boundary.targets import TRY_VLLM_ENV, version_problem
-    from vinterp.engine.vllm_engine import vinterp_engine_settings
+    from vinterp.engine.vllm_engine import vinterp_engine_arguments
 
     monkeypatch.delenv(TRY_VLLM_ENV, raising=False)
     for version in ("0.32.0", "0.32.1+cpu", "0.32.2.dev3"):
@@ -51,7 +54,8 @@ def test_only_verified_vllm_releases_start_vinterp_engines(monkeypatch) -> None:
         assert "verified on vLLM 0.32" in problem and TRY_VLLM_ENV in problem
     monkeypatch.setenv(TRY_VLLM_ENV, "0.33")  # a release being verified
     assert version_problem("0.33.0") is None and version_problem("0.34.0") is not None
-    assert vinterp_engine_settings()["enable_prefix_caching"] is False  # this vLLM passes
+    # this vLLM passes
+    assert vinterp_engine_arguments(EngineSettings())["enable_prefix_caching"] is False
 
 
 def test_every_declared_target_fits_this_vllm() -> None:
@@ -127,23 +131,59 @@ def test_plugin_patches_nothing_on_a_vllm_outside_the_supported_range(monkeypatc
 
 
 def test_sae_hosts_named_at_start_get_capture_buffers() -> None:
-    """An engine told its SAE hosts (`sae_clamp_hosts`) buffers their rows in the compiled model
-    too, so capturing or extracting their features keeps the steps compiled; other buffers stay
-    as asked, and True (every site) stays True."""
-    from vinterp.engine.config_keys import CAPTURE_IN_GRAPH_KEY
-    from vinterp.engine.vllm_engine import vinterp_engine_settings, with_host_buffers
+    """An engine told its SAE hosts (`sae_steering_hosts`) buffers their rows in the compiled
+    model too, so capturing or extracting their features keeps the steps compiled; other
+    buffers stay as asked, and True (every site) stays True."""
+    from vinterp.engine.settings import EngineSettings
 
     def buffers(**kwargs: object) -> object:
-        return vinterp_engine_settings(**kwargs)["additional_config"][CAPTURE_IN_GRAPH_KEY]
+        config = EngineSettings.from_keywords(dict(kwargs)).to_config()
+        return EngineSettings.of_config(config).capture_buffers  # what the workers read
 
+    host = "layers.3.output"
     assert buffers() is False
-    assert buffers(sae_clamp_hosts="layers.3.output") == ["layers.3.output"]
-    assert buffers(capture_in_graph="layers.1.output", sae_clamp_hosts=["layers.*.mlp.output"]) == [
-        "layers.1.output",
-        "layers.*.mlp.output",
-    ]
-    assert buffers(capture_in_graph=True, sae_clamp_hosts="layers.3.output") is True
-    assert with_host_buffers(["layers.3.output"], ["layers.3.output"]) == ["layers.3.output"]
+    assert buffers(sae_steering_hosts=host) == (host,)
+    both = buffers(capture_in_graph="layers.1.output", sae_steering_hosts=["layers.*.mlp.output"])
+    assert both == ("layers.1.output", "layers.*.mlp.output")
+    assert buffers(capture_in_graph=True, sae_steering_hosts=host) is True
+    assert buffers(capture_in_graph=[host], sae_steering_hosts=[host]) == (host,)
+
+
+def test_engine_settings_reach_the_workers_as_given_and_bad_ones_fail_at_once() -> None:
+    """Every setting goes through vLLM's `additional_config` (JSON) and back unchanged; a
+    wrong one is refused where it is given, naming it; vLLM's own keywords are left."""
+    import json
+
+    from transformers import AutoConfig
+
+    from vinterp.engine.settings import EngineSettings
+    from vinterp.models import tiny
+
+    given = {
+        "capture_in_graph": ["layers.1.output"],
+        "capture_in_graph_rows": "step",
+        "check_applied": True,
+        "sae_steering_hosts": "layers.0.output",
+        "sae_steering_features": 8,
+        "num_layers": 2,
+        "max_model_len": 256,
+    }
+    kwargs = dict(given)
+    config = AutoConfig.from_pretrained(str(tiny("llama")))
+    settings = EngineSettings.from_keywords(kwargs, {"layers": "model.layers"}, config)
+    assert kwargs == {"max_model_len": 256}
+    wire = json.loads(json.dumps(settings.to_config()))
+    assert EngineSettings.of_config(wire) == settings
+    assert settings.capture_buffers == ("layers.1.output", "layers.0.output")
+    assert EngineSettings.of_config({}) is None
+    for bad, named in [
+        ({"capture_in_graph": 3}, "capture_in_graph"),
+        ({"capture_in_graph_rows": 0}, "capture_in_graph_rows"),
+        ({"sae_steering_features": 0}, "sae_steering_features"),
+        ({"sae_steering_hosts": "layers.9.output"}, "layers.9.output"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=named):
+            EngineSettings.from_keywords(bad, config=config)
 
 
 def test_an_engine_of_the_first_layers_skips_the_checkpoints_later_ones() -> None:

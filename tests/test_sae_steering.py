@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from vinterp.interventions.clamp_buffers import (
-    clamp_features_setting,
-    clamp_host_ids,
-    clamp_hosts_setting,
+from vinterp.interventions.feature_buffers import (
+    sae_steering_features_setting,
+    sae_steering_host_ids,
+    sae_steering_hosts_setting,
 )
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
@@ -50,10 +50,10 @@ def make_sae(architecture: str = "standard", seed: int = 0, **settings) -> SAE:
 
 
 def planner(
-    sae: SAE, clamp_features: int = 4, hosts: frozenset[int] = frozenset({ORDER[HOST]})
+    sae: SAE, features_per_host: int = 4, hosts: frozenset[int] = frozenset({ORDER[HOST]})
 ) -> SteeringPlanner:
     steer = SteerBuffers(
-        len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu", None, hosts, clamp_features
+        len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu", None, hosts, features_per_host
     )
     saes = SaeRegistry("cpu", torch.float32)
     saes.attach(HOST, sae)
@@ -124,17 +124,17 @@ def test_more_features_than_the_tables_hold_overflow_to_the_same_result() -> Non
     sae = make_sae()
     x = torch.randn(5, H)
     clamps = {j: 0.5 * j for j in range(6)}
-    small, large = planner(sae, clamp_features=4), planner(sae, clamp_features=8)
+    small, large = planner(sae, features_per_host=4), planner(sae, features_per_host=8)
     overflowed = run(small, [worker(clamps)], x)
     assert small.plan_.overflow and small.buffers.overflow is not None
     compiled = run(large, [worker(clamps)], x)
     assert not large.plan_.overflow
     torch.testing.assert_close(overflowed, compiled)  # widths differ: rounding only
     torch.testing.assert_close(overflowed[:3], by_definition(sae, x[:3], clamps, {}))
-    # without clamp tables (no sae_clamp_hosts), or with them at another host, every feature
+    # without clamp tables (no sae_steering_hosts), or with them at another host, every feature
     # steering overflows
     for hosts in (frozenset(), frozenset({ORDER["layers.0.output"]})):
-        elsewhere = planner(sae, clamp_features=4, hosts=hosts)
+        elsewhere = planner(sae, features_per_host=4, hosts=hosts)
         torch.testing.assert_close(run(elsewhere, [worker(clamps)], x), overflowed, rtol=0, atol=0)
         assert elsewhere.plan_.overflow
 
@@ -225,23 +225,23 @@ def test_only_the_compiled_hosts_carry_the_formula_in_a_recorded_graph() -> None
         fn(torch.randn(5, H))
 
     def reads_the_encoder(gm) -> bool:
-        return any("clamp" in node.name and "enc" in node.name for node in gm.graph.nodes)
+        return any("features" in node.name and "enc" in node.name for node in gm.graph.nodes)
 
     assert reads_the_encoder(graphs[HOST]) and not reads_the_encoder(graphs["layers.0.output"])
 
 
 def test_the_compiled_hosts_are_named_as_sites_and_checked() -> None:
-    assert clamp_host_ids(clamp_hosts_setting(None), ORDER) == frozenset()
-    assert clamp_host_ids(clamp_hosts_setting(HOST), ORDER) == {ORDER[HOST]}
-    assert clamp_host_ids(clamp_hosts_setting("layers.*.output"), ORDER) == {
+    assert sae_steering_host_ids(sae_steering_hosts_setting(None), ORDER) == frozenset()
+    assert sae_steering_host_ids(sae_steering_hosts_setting(HOST), ORDER) == {ORDER[HOST]}
+    assert sae_steering_host_ids(sae_steering_hosts_setting("layers.*.output"), ORDER) == {
         ORDER["layers.0.output"],
         ORDER[HOST],
     }
     with pytest.raises(UnknownSiteError, match="cannot host feature steering"):
-        clamp_host_ids(["layers.1.attn.input"], ORDER)  # no steering there
+        sae_steering_host_ids(["layers.1.attn.input"], ORDER)  # no steering there
     with pytest.raises(UnknownSiteError, match="layers.7"):
-        clamp_host_ids(["layers.7.output"], ORDER)
-    with pytest.raises(TypeError, match="sae_clamp_hosts"):
-        clamp_hosts_setting(3)
-    with pytest.raises(ValueError, match="sae_clamp_features"):
-        clamp_features_setting(0)
+        sae_steering_host_ids(["layers.7.output"], ORDER)
+    with pytest.raises(TypeError, match="sae_steering_hosts"):
+        sae_steering_hosts_setting(3)
+    with pytest.raises(ValueError, match="sae_steering_features"):
+        sae_steering_features_setting(0)

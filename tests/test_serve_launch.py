@@ -14,6 +14,7 @@ import pytest
 
 import vinterp.serve.launch as launch
 from vinterp.cli import main
+from vinterp.engine.settings import EngineSettings
 from vinterp.models import bundled
 from vinterp.serve.launch import allow_routes_plugin, check_model, vllm_serve_argv
 from vinterp.serve.routes import PLUGIN_NAME
@@ -22,15 +23,16 @@ SITES = "layers.*.output"
 
 
 def test_argv_makes_a_vinterp_engine_and_passes_vllm_flags_through() -> None:
-    argv = vllm_serve_argv("m", "127.0.0.1", 8123, "k", ["--max-model-len", "512"])
+    plain = EngineSettings()
+    argv = vllm_serve_argv("m", "127.0.0.1", 8123, "k", ["--max-model-len", "512"], plain)
     assert argv[0] == "m" and argv[argv.index("--port") + 1] == "8123"
     assert argv[argv.index("--api-key") + 1] == "k"
     settings = json.loads(argv[argv.index("--additional-config") + 1])
     assert "vinterp_sites" in settings and not settings["vinterp_capture_in_graph"]
-    on = vllm_serve_argv("m", "h", 1, None, [], capture_in_graph=True)
+    on = vllm_serve_argv("m", "h", 1, None, [], EngineSettings(capture_buffers=True))
     assert json.loads(on[on.index("--additional-config") + 1])["vinterp_capture_in_graph"]
     assert argv[-2:] == ["--max-model-len", "512"]
-    assert "--api-key" not in vllm_serve_argv("m", "h", 1, None, [])
+    assert "--api-key" not in vllm_serve_argv("m", "h", 1, None, [], plain)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +53,8 @@ def test_the_capture_in_graph_flag_reaches_the_engine_config(monkeypatch, flags,
     main(["serve", "m", *flags, "--max-model-len", "64"])
     ((rest, capture),) = seen
     assert rest == ["--max-model-len", "64"]
-    argv = vllm_serve_argv("m", "h", 1, None, rest, capture)
+    settings = EngineSettings.from_keywords({"capture_in_graph": capture})
+    argv = vllm_serve_argv("m", "h", 1, None, rest, settings)
     config = json.loads(argv[argv.index("--additional-config") + 1])
     assert config["vinterp_capture_in_graph"] == setting
 

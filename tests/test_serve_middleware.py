@@ -24,13 +24,20 @@ from vinterp.serve.fields import vinterp_fields
 
 
 class EngineClient:
-    """What the middleware reads of vLLM's engine client: the model's config and the
-    workers' RPCs (each worker answers with no captured rows)."""
+    """What the middleware reads of vLLM's engine client: its configuration (the model's
+    config in it) and the workers' RPCs (each worker answers with no captured rows)."""
 
     def __init__(self) -> None:
         config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2)
-        self.model_config = SimpleNamespace(hf_config=config)
-        self.vllm_config = SimpleNamespace(additional_config={})
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(
+                hf_config=config, served_model_name="m", dtype="float32", max_model_len=64
+            ),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
+            cache_config=SimpleNamespace(enable_prefix_caching=False),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            additional_config={},
+        )
         self.calls: list[tuple[str, Any]] = []
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:

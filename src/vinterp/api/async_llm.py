@@ -47,7 +47,12 @@ class AsyncLLM(LocalModel):
 
         model, dtype = self._load(model, backend, pipeline_parallel_size, sites, engine_kwargs)
         self.backend = AsyncVLLMEngine(
-            model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
+            model,
+            dtype,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            self.settings,
+            **engine_kwargs,
         )
         self._init_front_end()
         self.steering = AsyncSteeringControl(self)

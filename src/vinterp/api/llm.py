@@ -12,6 +12,7 @@ from vinterp.api.steering_control import SteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.backend import Backend
 from vinterp.engine.outputs import Output
+from vinterp.engine.settings import GRAPH_KEYWORDS, EngineSettings
 from vinterp.extraction.local import extract_on
 from vinterp.extraction.request import BUFFER_GB, ExtractionRequest
 from vinterp.extraction.stream import Extraction
@@ -70,15 +71,14 @@ class LocalModel(TraceFrontEnd):
             if backend == "hf":  # transformers builds the layers its config names
                 engine_kwargs["num_hidden_layers"] = engine_kwargs.pop("num_layers")
         if backend == "vllm":
-            from vinterp.engine.vllm_engine import (
-                check_engine_features,
-                check_graph_settings,
-                check_native_model,
-            )
+            from vinterp.engine.vllm_engine import check_engine_features, check_native_model
 
             check_native_model(self.config, engine_kwargs)
             check_engine_features(engine_kwargs)
-            check_graph_settings(self.config, engine_kwargs)
+            self.settings = EngineSettings.from_keywords(engine_kwargs, sites, self.config)
+        else:  # no graphs to follow
+            for graph_setting in GRAPH_KEYWORDS:
+                engine_kwargs.pop(graph_setting, None)
         return model, engine_kwargs.pop("dtype", None) or checkpoint_dtype(self.config)
 
     @property
@@ -120,8 +120,8 @@ class LLM(LocalModel):
     `check_applied=True` (or the environment variable VINTERP_CHECK_APPLIED=1) counts on the
     device what the site ops applied and raises `InterventionError` when a step applied less
     than it asked for; it waits for every step, so it is for tests and debugging.
-    `sae_clamp_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
-    feature steering stays in the compiled graph, with tables of `sae_clamp_features`
+    `sae_steering_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
+    feature steering stays in the compiled graph, with tables of `sae_steering_features`
     (default 32) features per host (API.md section 5, "Sparse autoencoders").
 
     Both backends: `num_layers=N` builds and loads only layers 0..N-1 (what an extraction
@@ -143,16 +143,6 @@ class LLM(LocalModel):
         if backend == "hf":
             if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
                 raise ValueError("backend='hf' runs in one process: use tensor/pipeline size 1")
-            # no graphs to follow
-            graph_settings = (
-                "capture_in_graph",
-                "capture_in_graph_rows",
-                "check_applied",
-                "sae_clamp_hosts",
-                "sae_clamp_features",
-            )
-            for graph_setting in graph_settings:
-                engine_kwargs.pop(graph_setting, None)
             from vinterp.engine.hf_engine import HFEngine
 
             self.backend: Backend = HFEngine(
@@ -161,9 +151,8 @@ class LLM(LocalModel):
         else:
             from vinterp.engine.vllm_engine import VLLMEngine
 
-            self.backend = VLLMEngine(
-                model, dtype, tensor_parallel_size, pipeline_parallel_size, sites, **engine_kwargs
-            )
+            sizes = (tensor_parallel_size, pipeline_parallel_size)
+            self.backend = VLLMEngine(model, dtype, *sizes, self.settings, **engine_kwargs)
         self._init_front_end()
         self.steering = SteeringControl(self)
 

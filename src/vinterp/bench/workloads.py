@@ -437,8 +437,10 @@ def one_worker_rows(
         engines.append(plain_engine(model, texts, max_tokens, dtype, name, True, **engine_kwargs))
     config = checkpoint_config(model)
     with_sae = bool(selected & {SAE_CAPTURE, SAE_CLAMP})
-    if with_sae:  # the SAE's host named at start: compiled clamping and a capture buffer there
-        engine_kwargs = {**engine_kwargs, "sae_clamp_hosts": host_site(config)}
+    if (
+        with_sae
+    ):  # the SAE's host named at start: compiled feature steering and a capture buffer there
+        engine_kwargs = {**engine_kwargs, "sae_steering_hosts": host_site(config)}
     with saved_sae(int(config.hidden_size)) if with_sae else nullcontext() as sae:
         saes = {host_site(config): sae} if sae is not None else None
         for in_graph in routes:

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from vinterp.engine.backend import Captured, capture_ids_of
-from vinterp.engine.config_keys import CHECK_APPLIED_KEY
 from vinterp.engine.outputs import Output
+from vinterp.engine.settings import EngineSettings
+from vinterp.engine.vllm_boundary.engine_config import engine_config
 from vinterp.engine.vllm_engine import (
     collected_result,
     engine_arguments,
@@ -29,6 +30,7 @@ from vinterp.engine.vllm_engine import (
     unapplied_error,
     vllm_prompt,
 )
+from vinterp.engine.worker_calls import WorkerCalls
 from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.ir.graph import Graph
@@ -58,11 +60,12 @@ async def run_trace(
     once, every invoke of a round in flight at once, rounds in order, the saves collected even
     when a round fails. Returns the outputs and every worker's report."""
     trace_id = uuid.uuid4().hex
-    errors = await engine.collective_rpc("vinterp_begin", args=(trace_id, wire))
+    workers = WorkerCalls.of(engine)
+    errors = await workers.begin(trace_id, wire)
     if any(errors):
-        await engine.collective_rpc("vinterp_forget", args=(trace_id,))
+        await workers.forget(trace_id)
         raise PlanError(next(e for e in errors if e))
-    salted = bool(engine.vllm_config.cache_config.enable_prefix_caching)
+    salted = engine_config(engine).prefix_caching
     bar = tqdm(total=len(graph.invokes), desc="trace", disable=not use_tqdm)
 
     async def complete(k: int) -> Output:
@@ -78,7 +81,7 @@ async def run_trace(
                 outputs[k] = out
     finally:
         bar.close()
-        per_worker = await engine.collective_rpc("vinterp_collect", args=(trace_id,))
+        per_worker = await workers.collect(trace_id)
     return outputs, per_worker
 
 
@@ -97,16 +100,16 @@ class AsyncVLLMEngine:
         self,
         model: Path | str,
         dtype: str,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        site_paths: dict[str, str] | None = None,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        settings: EngineSettings,
         **engine_kwargs: Any,
     ) -> None:
         arguments = engine_arguments(
-            model, dtype, tensor_parallel_size, pipeline_parallel_size, site_paths, engine_kwargs
+            model, dtype, tensor_parallel_size, pipeline_parallel_size, settings, engine_kwargs
         )
         arguments.setdefault("disable_log_stats", True)  # as vllm.LLM: no periodic stats lines
-        self.check_applied = arguments["additional_config"][CHECK_APPLIED_KEY]
+        self.check_applied = settings.check_applied
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vinterp-async-engine", daemon=True
@@ -119,7 +122,8 @@ class AsyncVLLMEngine:
             self._stop_loop()
             raise
         freeze_startup_heap()
-        self._prefix_caching = bool(self.llm.vllm_config.cache_config.enable_prefix_caching)
+        self.workers: WorkerCalls[Any] = WorkerCalls.of(self.llm)  # answers are awaitables
+        self._prefix_caching = engine_config(self.llm).prefix_caching
         self._global_steering = False
         self._named: set[str] = set()
         self._handoff = FileHandoff()
@@ -168,7 +172,7 @@ class AsyncVLLMEngine:
         """As `VLLMEngine._check_applied`; concurrent calls may see each other's findings."""
         if not self.check_applied:
             return
-        error = unapplied_error(await self._on_loop(self.llm.collective_rpc("vinterp_unapplied")))
+        error = unapplied_error(await self._on_loop(self.workers.unapplied()))
         if error is not None:
             if capture_ids:
                 await self.take_captures(capture_ids)
@@ -214,25 +218,25 @@ class AsyncVLLMEngine:
 
     async def take_captures(self, capture_ids: list[str]) -> Captured:
         args = (capture_ids, self._handoff.request())
-        blocks = await self._on_loop(self.llm.collective_rpc("vinterp_take_captures", args=args))
+        blocks = await self._on_loop(self.workers.take_captures(*args))
         return await asyncio.to_thread(merge_captures, blocks, self._handoff.tensor)
 
     async def step_stats(self) -> dict[str, int]:
-        return (await self._on_loop(self.llm.collective_rpc("vinterp_step_stats")))[0]
+        return (await self._on_loop(self.workers.step_stats()))[0]
 
     async def set_global_steering(self, steering: list[Steering]) -> None:
         wires = [s.to_wire() for s in steering]
-        await self._on_loop(self.llm.collective_rpc("vinterp_set_steering", args=(wires,)))
+        await self._on_loop(self.workers.set_steering(wires))
         self._global_steering = bool(steering)
 
     async def attach_sae(self, site: str, sae: SAE) -> None:
         """Send the SAE to every worker once (as data: `SAE.to_wire`)."""
-        rpc = self.llm.collective_rpc("vinterp_attach_sae", args=(site, sae.to_wire()))
+        rpc = self.workers.attach_sae(site, sae.to_wire())
         raise_attach_errors(await self._on_loop(rpc))
 
     async def register_steering(self, name: str, steering: Steering | None) -> None:
         wire = None if steering is None else steering.to_wire()
-        rpc = self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
+        rpc = self.workers.register_steering(name, wire)
         await self._on_loop(rpc)
         self._named = self._named - {name} if steering is None else self._named | {name}
 

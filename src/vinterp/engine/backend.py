@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
+from vinterp.engine.engine_limits import EngineLimits
 from vinterp.engine.outputs import Output
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
@@ -64,6 +65,10 @@ class StreamingBackend(Backend, Protocol):
     ) -> Iterator[tuple[int, Output]]: ...
 
     def take_captures_later(self, capture_ids: list[str]) -> Callable[[], Captured]: ...
+
+    def limits(self) -> EngineLimits:
+        """What the engine computes in and how much it takes at once."""
+        ...
 
 
 class AsyncBackend(Protocol):

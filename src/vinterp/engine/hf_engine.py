@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vinterp.engine.backend import Captured, StreamRequest
+from vinterp.engine.engine_limits import EngineLimits
 from vinterp.engine.hf_interventions import HFInterventions, HFRequest
 from vinterp.engine.outputs import Output
 from vinterp.interventions.sae_registry import SaeRegistry
@@ -157,6 +158,12 @@ class HFEngine:
 
     def steering_names(self) -> set[str]:
         return set(self.interventions.named)
+
+    def limits(self) -> EngineLimits:
+        """Its dtype and longest prompt (the model's positions); no step limits."""
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return EngineLimits(dtype, None if positions is None else int(positions) - 1, None)
 
     def step_stats(self) -> dict[str, int]:
         """Forward steps run so far; none leaves compiled code (nothing is compiled)."""

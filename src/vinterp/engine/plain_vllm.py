@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vinterp.engine.platform_settings import configure_engine_environment
+from vinterp.engine.vllm_boundary.engine_config import stop_engine_core
 
 
 def start_plain_vllm(
@@ -31,7 +32,7 @@ def start_plain_vllm(
 
 
 def shutdown_plain_vllm(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    stop_engine_core(llm)
 
 
 def greedy_params(max_tokens: int, ignore_eos: bool = False) -> Any:

@@ -14,39 +14,35 @@ and in each worker), so plain vLLM processes pay nothing for it.
 
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from vinterp.engine.config_keys import CONFIG_KEY, NUM_LAYERS_KEY
+from vinterp.engine.settings import EngineSettings
 from vinterp.engine.vllm_boundary import targets
+from vinterp.engine.vllm_boundary.engine_config import runner_additional_config
+from vinterp.engine.vllm_boundary.load_model import patch_load_model
 
 log = logging.getLogger(__name__)
 
 
-def wants_sites(runner: Any) -> bool:
-    return CONFIG_KEY in (runner.vllm_config.additional_config or {})
+def vinterp_settings(runner: Any) -> EngineSettings | None:
+    """The vinterp settings of the runner's engine; None for a plain vLLM engine."""
+    return EngineSettings.of_config(runner_additional_config(runner))
 
 
-def _patch_load_model(runner_cls: Any) -> None:
-    original = runner_cls.__dict__.get("load_model")
-    if original is None or getattr(original, "_vinterp", False):
-        return
+def load_with_sites(load: Callable[[], Any], runner: Any) -> Any:
+    """A runner's `load_model`: vLLM's own, then (in a vinterp engine) the sites installed."""
+    settings = vinterp_settings(runner)
+    if settings is None:
+        return load()
+    from vinterp.engine.vllm_boundary.kept_layers import keeping_layers
+    from vinterp.engine.worker_ext import install_on_runner
 
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not wants_sites(self):
-            return original(self, *args, **kwargs)
-        from vinterp.engine.vllm_boundary.kept_layers import keeping_layers
-        from vinterp.engine.worker_ext import install_on_runner
-
-        with keeping_layers(self.vllm_config.additional_config.get(NUM_LAYERS_KEY)):
-            result = original(self, *args, **kwargs)
-        install_on_runner(self)
-        return result
-
-    load_model._vinterp = True  # type: ignore[attr-defined]
-    runner_cls.load_model = load_model
+    with keeping_layers(settings.num_layers):
+        result = load()
+    install_on_runner(runner, settings)
+    return result
 
 
 def register() -> None:
@@ -66,7 +62,7 @@ def register() -> None:
         log.warning("vinterp's vLLM plugin patches nothing: %s", problem)
         return
     for runner in runners:
-        _patch_load_model(runner)
+        patch_load_model(runner, load_with_sites)
     from vinterp.engine.vllm_boundary.kept_layers import patch_weight_loading
 
     patch_weight_loading()

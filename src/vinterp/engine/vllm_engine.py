@@ -4,71 +4,39 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from vinterp.engine.backend import Captured, StreamRequest, capture_ids_of
-from vinterp.engine.config_keys import (
-    CAPTURE_IN_GRAPH_KEY,
-    CAPTURE_ROWS_KEY,
-    CHECK_APPLIED_KEY,
-    CONFIG_KEY,
-    NUM_LAYERS_KEY,
-    SAE_CLAMP_HOSTS_KEY,
-    SAE_CLAMP_KEY,
-    SITE_PATHS_KEY,
-)
+from vinterp.engine.engine_limits import EngineLimits
 from vinterp.engine.outputs import Output
 from vinterp.engine.platform_settings import configure_engine_environment
+from vinterp.engine.settings import EngineSettings
+from vinterp.engine.vllm_boundary.engine_config import engine_config, step_engine, stop_engine_core
 from vinterp.engine.vllm_boundary.engine_core_calls import collective_rpc_later, engine_alive
 from vinterp.engine.vllm_boundary.model_registry import (
     freeze_gc_heap,
     transformers_backend_architectures,
 )
 from vinterp.engine.vllm_boundary.targets import check_boundary
+from vinterp.engine.worker_calls import WorkerCalls
 from vinterp.errors import InterventionError
-from vinterp.interventions.capture_buffers import (
-    buffer_rows_setting,
-    buffer_setting,
-    buffer_site_ids,
-)
 from vinterp.interventions.capture_files import FileHandoff
 from vinterp.interventions.capture_store import merge_captures
-from vinterp.interventions.clamp_buffers import (
-    CLAMP_FEATURES,
-    clamp_features_setting,
-    clamp_host_ids,
-    clamp_hosts_setting,
-)
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.sae import SAE
-from vinterp.sites.modules import site_order
 from vinterp.wire.graph import to_wire
 from vinterp.wire.saved_values import decode_saved
 from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
 
-# Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
-# older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 13
-
 log = logging.getLogger(__name__)
-
-
-def check_graph_settings(config: Any, engine_kwargs: dict[str, Any]) -> None:
-    """Refuse a wrong `capture_in_graph`, `capture_in_graph_rows`, `sae_clamp_hosts` or
-    `sae_clamp_features` before the engine starts (the workers would)."""
-    order = site_order(config)
-    buffer_site_ids(buffer_setting(engine_kwargs.get("capture_in_graph", False)), order)
-    buffer_rows_setting(engine_kwargs.get("capture_in_graph_rows"))
-    clamp_host_ids(clamp_hosts_setting(engine_kwargs.get("sae_clamp_hosts")), order)
-    clamp_features_setting(engine_kwargs.get("sae_clamp_features", CLAMP_FEATURES))
 
 
 # vLLM engine arguments whose steps vinterp cannot follow: a draft model that runs through the
@@ -111,60 +79,17 @@ def check_native_model(config: Any, engine_kwargs: dict[str, Any]) -> None:
         )
 
 
-# VINTERP_CHECK_APPLIED=1: every engine started without `check_applied` checks (the tests)
-CHECK_APPLIED_ENV = "VINTERP_CHECK_APPLIED"
-
-
-def vinterp_engine_settings(
-    site_paths: dict[str, str] | None = None,
-    capture_in_graph: bool | str | list[str] = False,
-    check_applied: bool | None = None,
-    capture_in_graph_rows: int | str | None = None,
-    sae_clamp_hosts: str | list[str] | None = None,
-    sae_clamp_features: int = CLAMP_FEATURES,
-    num_layers: int | None = None,
-) -> dict[str, Any]:
+def vinterp_engine_arguments(settings: EngineSettings) -> dict[str, Any]:
     """What makes a vLLM engine a vinterp one (sites, worker RPCs), for `vllm.LLM` and for
-    `vinterp serve` alike; prefix caching off (DESIGN.md lesson 1: hooks would miss cached
-    tokens), a fixed seed. `capture_in_graph` (True, or the sites) puts capture buffers into
-    the compiled model (`interventions.capture_buffers`), `capture_in_graph_rows` rows
-    each (None: `max_num_seqs`; "step": `max_num_batched_tokens`); `check_applied` counts
-    what the sites applied and checks it after every step (`interventions.applied`; None:
-    VINTERP_CHECK_APPLIED); `sae_clamp_hosts` names the SAE hosts whose feature steering is
-    compiled, with tables of `sae_clamp_features` features each (`interventions.clamp_buffers`),
-    and whose feature captures gather through a capture buffer (`with_host_buffers`);
-    `num_layers` tells the workers to load only the first layers (`vllm_boundary.kept_layers`:
-    the engine builds that many through `hf_overrides`)."""
+    `vinterp serve` alike: `settings` for the workers, prefix caching off (DESIGN.md lesson 1:
+    hooks would miss cached tokens), a fixed seed."""
     check_boundary()
-    if check_applied is None:
-        check_applied = os.environ.get(CHECK_APPLIED_ENV, "") not in ("", "0")
-    hosts = clamp_hosts_setting(sae_clamp_hosts)
     return {
         "enable_prefix_caching": False,
         "seed": 0,
         "worker_extension_cls": "vinterp.engine.worker_ext.VinterpWorkerExtension",
-        "additional_config": {
-            # the plugin installs sites where this key is; part of the compile-cache key
-            CONFIG_KEY: SITES_LAYOUT_VERSION,
-            SITE_PATHS_KEY: site_paths or {},
-            CAPTURE_IN_GRAPH_KEY: with_host_buffers(buffer_setting(capture_in_graph), hosts),
-            CAPTURE_ROWS_KEY: buffer_rows_setting(capture_in_graph_rows),
-            CHECK_APPLIED_KEY: bool(check_applied),
-            SAE_CLAMP_HOSTS_KEY: hosts,
-            SAE_CLAMP_KEY: clamp_features_setting(sae_clamp_features),
-            NUM_LAYERS_KEY: num_layers,
-        },
+        "additional_config": settings.to_config(),
     }
-
-
-def with_host_buffers(buffers: bool | list[str], hosts: list[str]) -> bool | list[str]:
-    """The capture buffers of an engine whose SAE hosts are `hosts`: each host gets one, so
-    capturing (and extracting) its features gathers the host's rows in the compiled model and
-    such steps stay compiled; without it every step that captures features runs uncompiled
-    (8B shape on an H200: 4.35x plain generation for a top-k capture at every position)."""
-    if buffers is True or not hosts:
-        return buffers
-    return list(dict.fromkeys([*(buffers or []), *hosts]))
 
 
 def engine_arguments(
@@ -172,30 +97,23 @@ def engine_arguments(
     dtype: str,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
-    site_paths: dict[str, str] | None,
+    settings: EngineSettings,
     engine_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """vLLM's engine arguments for a vinterp engine (sync and async alike), after the
-    platform's settings for that many workers."""
+    platform's settings for that many workers; `engine_kwargs` are vLLM's own. With
+    `num_layers`, vLLM builds that many layers (`hf_overrides`) and the workers load only
+    theirs (`vllm_boundary.kept_layers`)."""
     configure_engine_environment(tensor_parallel_size * pipeline_parallel_size)
-    num_layers = engine_kwargs.pop("num_layers", None)
-    if num_layers is not None:
+    if settings.num_layers is not None:
         overrides = engine_kwargs.pop("hf_overrides", None) or {}
-        engine_kwargs["hf_overrides"] = {**overrides, "num_hidden_layers": num_layers}
+        engine_kwargs["hf_overrides"] = {**overrides, "num_hidden_layers": settings.num_layers}
     return {
         "model": str(model),
         "dtype": dtype,
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
-        **vinterp_engine_settings(
-            site_paths,
-            engine_kwargs.pop("capture_in_graph", False),
-            engine_kwargs.pop("check_applied", None),
-            engine_kwargs.pop("capture_in_graph_rows", None),
-            engine_kwargs.pop("sae_clamp_hosts", None),
-            engine_kwargs.pop("sae_clamp_features", CLAMP_FEATURES),
-            num_layers,
-        ),
+        **vinterp_engine_arguments(settings),
         **engine_kwargs,
     }
 
@@ -220,21 +138,23 @@ class VLLMEngine:
         self,
         model: Path,
         dtype: str,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        site_paths: dict[str, str] | None = None,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        settings: EngineSettings,
         **engine_kwargs: Any,
     ) -> None:
         import vllm
 
         sizes = (tensor_parallel_size, pipeline_parallel_size)
-        arguments = engine_arguments(model, dtype, *sizes, site_paths, engine_kwargs)
-        self.check_applied = arguments["additional_config"][CHECK_APPLIED_KEY]
+        arguments = engine_arguments(model, dtype, *sizes, settings, engine_kwargs)
+        self.check_applied = settings.check_applied
         self.llm = vllm.LLM(**arguments)
+        self.workers: WorkerCalls[list[Any]] = WorkerCalls.of(self.llm)
+        # a take of captures is answered without waiting for the engine's step
+        self._later = WorkerCalls(functools.partial(collective_rpc_later, self.llm))
         freeze_startup_heap()
         self._closed = False
-        cache_config = self.llm.llm_engine.vllm_config.cache_config
-        self._prefix_caching = bool(cache_config.enable_prefix_caching)
+        self._prefix_caching = engine_config(self.llm).prefix_caching
         self._global_steering = False
         self._named: set[str] = set()
         self._handoff = FileHandoff(alive=engine_alive(self.llm))
@@ -269,7 +189,7 @@ class VLLMEngine:
         are dropped with it)."""
         if not self.check_applied:
             return
-        error = unapplied_error(self.llm.collective_rpc("vinterp_unapplied"))
+        error = unapplied_error(self.workers.unapplied())
         if error is not None:
             if capture_ids:
                 self.take_captures(capture_ids)
@@ -284,7 +204,7 @@ class VLLMEngine:
         the returned call gives them once the workers have answered and written them
         (`capture_files`), so its wait can run on another thread while the engine computes."""
         args = (capture_ids, self._handoff.request())
-        answers = collective_rpc_later(self.llm, "vinterp_take_captures", args)
+        answers = self._later.take_captures(*args)
         return lambda: merge_captures(answers(), self._handoff.tensor)
 
     def stream(
@@ -294,7 +214,7 @@ class VLLMEngine:
         prompt tokens queued in the engine: the engine never waits between batches (no
         batch's last, part-full step) and the requests not yet queued cost nothing. Closing
         the stream early (or an error) aborts the requests still queued."""
-        engine = self.llm.llm_engine
+        engine = step_engine(self.llm)
         pending = enumerate(requests)
         queued: dict[str, tuple[int, int]] = {}  # request id -> (index, prompt tokens)
         total = 0
@@ -321,23 +241,29 @@ class VLLMEngine:
                 with contextlib.suppress(Exception):  # a dead engine has nothing to abort
                     engine.abort_request(list(queued))
 
+    def limits(self) -> EngineLimits:
+        """Its dtype, longest prompt (vLLM keeps room for one generated token) and step size,
+        as vLLM resolved them."""
+        config = engine_config(self.llm)
+        return EngineLimits(
+            config.dtype, config.max_model_len - 1, config.step_tokens, config.step_sequences
+        )
+
     def step_stats(self) -> dict[str, int]:
         """Forward steps run so far, and how many of them ran uncompiled (first worker)."""
-        return self.llm.collective_rpc("vinterp_step_stats")[0]
+        return self.workers.step_stats()[0]
 
     def set_global_steering(self, steering: list[Steering]) -> None:
         self._global_steering = bool(steering)
-        self.llm.collective_rpc("vinterp_set_steering", args=([s.to_wire() for s in steering],))
+        self.workers.set_steering([s.to_wire() for s in steering])
 
     def attach_sae(self, site: str, sae: SAE) -> None:
         """Send the SAE to every worker once (as data: `SAE.to_wire`)."""
-        raise_attach_errors(
-            self.llm.collective_rpc("vinterp_attach_sae", args=(site, sae.to_wire()))
-        )
+        raise_attach_errors(self.workers.attach_sae(site, sae.to_wire()))
 
     def register_steering(self, name: str, steering: Steering | None) -> None:
         wire = None if steering is None else steering.to_wire()
-        self.llm.collective_rpc("vinterp_register_steering", args=(name, wire))
+        self.workers.register_steering(name, wire)
         self._named = self._named - {name} if steering is None else self._named | {name}
 
     def steering_names(self) -> set[str]:
@@ -346,9 +272,9 @@ class VLLMEngine:
     def run_trace(self, graph: Graph, plan: Plan, use_tqdm: bool = True) -> TraceResult:
         """Send the graph once, run the invokes round by round, collect saves and failure."""
         trace_id = uuid.uuid4().hex
-        errors = self.llm.collective_rpc("vinterp_begin", args=(trace_id, to_wire(graph)))
+        errors = self.workers.begin(trace_id, to_wire(graph))
         if any(errors):
-            self.llm.collective_rpc("vinterp_forget", args=(trace_id,))
+            self.workers.forget(trace_id)
             raise PlanError(next(e for e in errors if e))
         outputs: list[Output | None] = [None] * len(graph.invokes)
         try:
@@ -359,7 +285,7 @@ class VLLMEngine:
                 for k, result in zip(round_, results):
                     outputs[k] = to_output(result)
         finally:
-            per_worker = self.llm.collective_rpc("vinterp_collect", args=(trace_id,))
+            per_worker = self.workers.collect(trace_id)
         self._check_applied([])
         return collected_result(outputs, per_worker)
 
@@ -370,7 +296,7 @@ class VLLMEngine:
         self._closed = True
         atexit.unregister(self.shutdown)
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            stop_engine_core(self.llm)
         except Exception:  # already torn down by vLLM's own finalizers
             log.debug("vLLM engine shutdown raised", exc_info=True)
         self._handoff.close()

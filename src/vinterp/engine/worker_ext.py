@@ -10,22 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from vinterp.engine.config_keys import (
-    CAPTURE_IN_GRAPH_KEY,
-    CAPTURE_ROWS_KEY,
-    CHECK_APPLIED_KEY,
-    SAE_CLAMP_HOSTS_KEY,
-    SAE_CLAMP_KEY,
-    SITE_PATHS_KEY,
-)
+from vinterp.engine.settings import EngineSettings
 from vinterp.engine.site_ops import SiteCalls
+from vinterp.engine.vllm_boundary.engine_config import (
+    RunnerConfig,
+    runner_config,
+    worker_runner,
+)
 from vinterp.engine.vllm_boundary.parallel import last_stage_start, worker_layout
 from vinterp.engine.vllm_boundary.runner_hooks import instrument, runner_kind
 from vinterp.engine.vllm_boundary.site_modules import held_site_ids, install_vllm_sites
 from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
-from vinterp.interventions.clamp_buffers import CLAMP_FEATURES, clamp_host_ids
+from vinterp.interventions.feature_buffers import sae_steering_host_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules, site_order
@@ -41,49 +39,39 @@ def site_calls(runner: Any) -> SiteCalls:
 
 
 def steer_buffers_for(
-    runner: Any, order: SiteOrder, counters: AppliedCounters | None = None
+    runner: RunnerConfig,
+    order: SiteOrder,
+    settings: EngineSettings,
+    counters: AppliedCounters | None = None,
 ) -> SteerBuffers:
     """Buffers sized for the largest step the runner can run (graph padding included)."""
-    config = runner.vllm_config
-    settings = config.additional_config or {}
-    max_seqs = config.scheduler_config.max_num_seqs
-    max_tokens = max(
-        config.scheduler_config.max_num_batched_tokens,
-        config.compilation_config.max_cudagraph_capture_size or 0,
-    )
     return SteerBuffers(
         num_sites=len(order.sites),
-        hidden_size=int(runner.model_config.hf_config.hidden_size),
-        max_tokens=max_tokens,
-        max_combos=2 * max_seqs + 2,
-        max_rows=2 * max_seqs + 2,
-        dtype=runner.model_config.dtype,
+        hidden_size=int(runner.hf_config.hidden_size),
+        max_tokens=runner.padded_step_tokens,
+        max_combos=2 * runner.step_sequences + 2,
+        max_rows=2 * runner.step_sequences + 2,
+        dtype=runner.dtype,
         device=runner.device,
         counters=counters,
-        clamp_hosts=clamp_host_ids(settings.get(SAE_CLAMP_HOSTS_KEY, []), order),
-        clamp_features=settings.get(SAE_CLAMP_KEY, CLAMP_FEATURES),
+        feature_hosts=sae_steering_host_ids(list(settings.sae_steering_hosts), order),
+        features_per_host=settings.sae_steering_features,
     )
 
 
-def install_on_runner(runner: Any) -> None:
+def install_on_runner(runner: Any, settings: EngineSettings) -> None:
     check_boundary()  # the plugin patched nothing where it fails; checked again for the error
     runner_kind(runner)  # refuses a runner vinterp cannot follow, before anything else
-    config = runner.model_config.hf_config
-    model = runner.get_model()
-    settings = runner.vllm_config.additional_config or {}
-    modules = find_site_modules(
-        model, config.model_type, settings.get(SITE_PATHS_KEY), backend="vllm"
-    )
+    facts = runner_config(runner)
+    model, config = facts.model, facts.hf_config
+    modules = find_site_modules(model, config.model_type, dict(settings.site_paths), backend="vllm")
     order = site_order(config)
     counters = None
-    if settings.get(CHECK_APPLIED_KEY, False):
-        counters = AppliedCounters(len(order.sites), runner.device)
-    steer = steer_buffers_for(runner, order, counters)
-    scheduler = runner.vllm_config.scheduler_config
-    capture_rows = buffer_rows(
-        settings.get(CAPTURE_ROWS_KEY), scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-    )
-    capture_sites = buffer_site_ids(settings.get(CAPTURE_IN_GRAPH_KEY, False), order)
+    if settings.check_applied:
+        counters = AppliedCounters(len(order.sites), facts.device)
+    steer = steer_buffers_for(facts, order, settings, counters)
+    capture_rows = buffer_rows(settings.capture_rows, facts.step_sequences, facts.step_tokens)
+    capture_sites = buffer_site_ids(settings.capture_setting, order)
     parallel = worker_layout()
     if parallel.tp_size > 1:  # per-head sites: gathered, uncompiled
         capture_sites -= order.ids_of(HEAD_SITES)
@@ -112,7 +100,7 @@ class VinterpWorkerExtension:
 
     @property
     def _vinterp(self) -> WorkerRuntime:
-        return getattr(self.model_runner, RUNTIME_ATTR)  # type: ignore[attr-defined]
+        return getattr(worker_runner(self), RUNTIME_ATTR)
 
     def vinterp_begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
         return self._vinterp.begin(trace_id, wire)

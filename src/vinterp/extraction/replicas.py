@@ -32,6 +32,7 @@ from vinterp.extraction.spec import EngineFacts
 from vinterp.extraction.stream import Extraction, ExtractionStats, run_shards
 from vinterp.sae import SAE
 from vinterp.store import ActivationStore, Columns, InOrderLister, Manifest, ShardEntry
+from vinterp.wire.specs import Capture
 
 # Prompt tokens sent to a replica and not yet reported written, in units of the tokens its
 # stream keeps queued in its engine: its stream asks for the next shard (and waits for it)
@@ -92,7 +93,8 @@ class ExtractReplica:
         root: str,
         manifest: Manifest,
         columns: Columns,
-        job: dict[str, Any],
+        capture: Capture,
+        queued_tokens: int,
         work: Any,
         results: Any,
         replica: int,
@@ -112,8 +114,8 @@ class ExtractReplica:
                 self.llm.backend,
                 shards(),
                 store,
-                job["capture"],
-                job["queued_tokens"],
+                capture,
+                queued_tokens,
                 commit=lambda entries: results.put((replica, entries)),
             )
         finally:
@@ -179,9 +181,17 @@ def _run(
     store = job.store
     results = queue()
     works = [queue() for _ in handles]
-    setup = {"capture": job.capture, "queued_tokens": job.queued_tokens}
     runs = [
-        handle.run.remote(str(store.root), store.manifest, store.columns, setup, work, results, r)
+        handle.run.remote(
+            str(store.root),
+            store.manifest,
+            store.columns,
+            job.capture,
+            job.queued_tokens,
+            work,
+            results,
+            r,
+        )
         for r, (handle, work) in enumerate(zip(handles, works))
     ]
     planned = job.shards(tokenizer)

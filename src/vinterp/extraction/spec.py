@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vinterp.engine.engine_limits import EngineLimits, engine_limits
+from vinterp.engine.engine_limits import EngineLimits
 from vinterp.extraction.plan import PositionSpec
 from vinterp.extraction.prompts import PromptSource
 from vinterp.extraction.sae import SaeFacts, sae_spec
@@ -36,7 +36,7 @@ class EngineFacts:
             str(llm.model_path),
             llm.backend.name,
             llm.config,
-            engine_limits(llm.backend, llm.config),
+            llm.backend.limits(),
             {site: SaeFacts.of(sae) for site, sae in llm.saes.items()},
         )
 

@@ -27,12 +27,12 @@ class SaeRegistry:
     def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.saes: dict[str, SAE] = {}
-        self.generation = 0  # counts attachments: tables built from an SAE are built again
+        self.attachments = 0  # tables and specs built from an attached SAE are built again
 
     def attach(self, site: str, sae: SAE) -> None:
         """Attach (or replace) the SAE at `site`."""
         self.saes[site] = sae.to(device=self.device, dtype=self.dtype)
-        self.generation += 1
+        self.attachments += 1
 
     def attach_wire(self, site: str, wire: dict[str, Any]) -> None:
         """Attach an SAE sent as data (`SAE.to_wire`: no pickle, no code)."""

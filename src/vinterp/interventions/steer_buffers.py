@@ -14,7 +14,7 @@ ablation projects out and their scales (one slot in the persistent buffers; a co
 that ablates more directions at one site gets larger tables, and its step runs uncompiled).
 Row 0 of every table is zero and combination 0 maps
 every site to row 0, so an unsteered token gets exactly `x + 0`. `sae[row]` is what steering
-in the feature basis of an attached SAE adds (`clamp_buffers`: clamped or added features,
+in the feature basis of an attached SAE adds (`feature_buffers`: clamped or added features,
 computed from x with the SAE's encoder columns), zero at row 0 as well; only the hosts named at
 engine start compute it in the compiled model. The ops are ordinary tensor
 ops, so torch.compile fuses them into the neighbouring kernels (the norm and residual adds
@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from vinterp.interventions.applied import AppliedCounters
-from vinterp.interventions.clamp_buffers import (
-    CLAMP_FEATURES,
-    ClampBuffers,
-    ClampTables,
+from vinterp.interventions.feature_buffers import (
+    SAE_STEERING_FEATURES,
+    FeatureBuffers,
+    FeatureTables,
     feature_delta,
 )
 from vinterp.interventions.graph_recording import ops_recorded
@@ -53,7 +53,7 @@ class SteerTables:
     unit: torch.Tensor  # (rows, H) model dtype
     ablate: torch.Tensor  # (rows, slots, H) float32 unit directions
     ablate_scale: torch.Tensor  # (rows, slots) float32
-    clamp: ClampTables | None = None  # SAE features (None: no clamp tables)
+    features: FeatureTables | None = None  # SAE feature steering (None: no feature tables)
 
 
 class SteerBuffers(nn.Module):
@@ -67,10 +67,10 @@ class SteerBuffers(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         counters: AppliedCounters | None = None,
-        clamp_hosts: frozenset[int] = frozenset(),
-        clamp_features: int = CLAMP_FEATURES,
+        feature_hosts: frozenset[int] = frozenset(),
+        features_per_host: int = SAE_STEERING_FEATURES,
     ) -> None:
-        """`clamp_hosts`: the sites whose SAE feature steering is compiled, `clamp_features`
+        """`feature_hosts`: the sites whose SAE feature steering is compiled, `features_per_host`
         features each (none: steps that steer features run uncompiled)."""
         super().__init__()
         self.counters = counters  # with the check on (`interventions.applied`)
@@ -85,20 +85,27 @@ class SteerBuffers(nn.Module):
         f32 = torch.float32
         self.register_buffer("ablate", zeros(max_rows, 1, hidden_size, dtype=f32), persistent=False)
         self.register_buffer("ablate_scale", zeros(max_rows, 1, dtype=f32), persistent=False)
-        self.clamp = None
-        if clamp_hosts:
-            self.clamp = ClampBuffers(
-                num_sites, clamp_hosts, hidden_size, clamp_features, max_rows, torch.device(device)
+        self.features = None
+        if feature_hosts:
+            self.features = FeatureBuffers(
+                num_sites,
+                feature_hosts,
+                hidden_size,
+                features_per_host,
+                max_rows,
+                torch.device(device),
             )
         self.overflow: SteerTables | None = None  # set only for steps run uncompiled
         self.active = False  # whether any token is steered this step
-        self.clamping: frozenset[int] = frozenset()  # the hosts whose features this step steers
+        self.steered_hosts: frozenset[int] = (
+            frozenset()
+        )  # the hosts whose features this step steers
 
     def tables(self) -> SteerTables:
         """The tables this step reads; in a recorded graph always the persistent buffers."""
         if not ops_recorded() and self.overflow is not None:
             return self.overflow
-        clamp = None if self.clamp is None else self.clamp.tables()
+        features = None if self.features is None else self.features.tables()
         return SteerTables(
             self.token_combo,
             self.site_rows,
@@ -106,7 +113,7 @@ class SteerBuffers(nn.Module):
             self.unit,
             self.ablate,
             self.ablate_scale,
-            clamp,
+            features,
         )
 
     def forward(
@@ -135,7 +142,8 @@ class SteerBuffers(nn.Module):
         directions = t.ablate[rows]  # (tokens, slots, H)
         along = (source.float().unsqueeze(1) * directions).sum(-1) * t.ablate_scale[rows]
         delta = delta - (along.unsqueeze(-1) * directions).sum(1)
-        hosts = self.clamp.hosts if ops_recorded() and self.clamp is not None else self.clamping
-        if t.clamp is not None and site_id in hosts:
-            delta = delta + feature_delta(t.clamp, site, source, rows)
+        compiled = ops_recorded() and self.features is not None
+        hosts = self.features.hosts if compiled else self.steered_hosts  # type: ignore[union-attr]
+        if t.features is not None and site_id in hosts:
+            delta = delta + feature_delta(t.features, site, source, rows)
         return x + delta.to(x.dtype)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vinterp.interventions.applied import steered_per_site
-from vinterp.interventions.clamp_buffers import ClampTables
+from vinterp.interventions.feature_buffers import FeatureTables
 from vinterp.interventions.host_to_device import upload
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import WorkerSteering
@@ -55,14 +55,14 @@ class SteeredRequest:
 class SteerPlan:
     combos: dict[str, int | np.ndarray]  # req id -> combination id of its tokens this step
     key: tuple[tuple[int, ...], ...]  # the combinations (spec serials), in id order
-    saes: int = 0  # the SAEs' generation: tables built from a replaced SAE are built again
+    saes: int = 0  # the SAE attachments so far: tables built from a replaced SAE are built again
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
     ablate: torch.Tensor | None = None
     ablate_scale: torch.Tensor | None = None
-    clamp: ClampTables | None = None  # SAE features' tables, when key changed and any
-    clamping: frozenset[int] = frozenset()  # the hosts whose SAE features are steered
+    features: FeatureTables | None = None  # SAE features' tables, when key changed and any
+    steered_hosts: frozenset[int] = frozenset()  # the hosts whose SAE features are steered
     overflow: bool = False  # the tables do not fit the persistent buffers
 
 
@@ -134,7 +134,7 @@ def _tables(
     return site_rows, torch.stack(adds), torch.stack(units), directions, scales
 
 
-def _clamp_tables(
+def _feature_tables(
     specs_by_combo: list[tuple[WorkerSteering, ...]],
     site_rows: np.ndarray,
     num_rows: int,
@@ -142,8 +142,8 @@ def _clamp_tables(
     saes: SaeRegistry,
     width: int,
     slots: int,
-) -> ClampTables | None:
-    """The SAE feature tables (`clamp_buffers`): a slot per host whose features are steered
+) -> FeatureTables | None:
+    """The SAE feature tables (`feature_buffers`): a slot per host whose features are steered
     (`slots` in all, more if more hosts are steered), `width` columns (more if a host has more
     features: then they do not fit the buffers), and
     per table row at a host its features' values and which are clamped. At a token, a clamp
@@ -160,7 +160,7 @@ def _clamp_tables(
     width = max(width, *map(len, hosts.values()))
     slots = max(slots, len(hosts) + 1)
     hidden = saes.of(next(iter(hosts))).d_in
-    tables = ClampTables.zeros(len(order.sites), slots, width, num_rows, hidden, "cpu")
+    tables = FeatureTables.zeros(len(order.sites), slots, width, num_rows, hidden, "cpu")
     for slot, (host, columns) in enumerate(hosts.items(), 1):
         tables.site_slot[order[host]] = slot
         tables.fill_slot(slot, saes.of(host), list(columns))
@@ -199,30 +199,30 @@ class SteeringPlanner:
     # the host copies of what this step's steering reads: (token_combo, site_rows)
     _step_tables: tuple[np.ndarray, np.ndarray] | None = None
     _loaded_site_rows: np.ndarray | None = None
-    _clamp_loaded = False  # whether the clamp buffers hold a plan's slots
+    _features_loaded = False  # whether the feature buffers hold a plan's slots
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
         buffers = self.buffers
         buffers.overflow = None
         buffers.active = bool(requests)
-        buffers.clamping = frozenset()
+        buffers.steered_hosts = frozenset()
         if not requests:
             self.plan_ = None
             return False
         per_request, combos = _combinations(requests)
-        plan = SteerPlan(per_request, tuple(combos), self.saes.generation)
+        plan = SteerPlan(per_request, tuple(combos), self.saes.attachments)
         specs_by_combo = list(combos.values())
-        plan.clamping = frozenset(
+        plan.steered_hosts = frozenset(
             self.order[host] for specs in specs_by_combo for spec in specs for host in spec.features
         )
         if (plan.key, plan.saes) != self._loaded_key:
             plan.site_rows, plan.add, plan.unit, plan.ablate, plan.ablate_scale = _tables(
                 specs_by_combo, self.order, buffers.add.shape[1]
             )
-            clamp_buffers = buffers.clamp
-            slots, width = (0, 0) if clamp_buffers is None else clamp_buffers.enc.shape[:2]
-            plan.clamp = _clamp_tables(
+            feature_buffers = buffers.features
+            slots, width = (0, 0) if feature_buffers is None else feature_buffers.enc.shape[:2]
+            plan.features = _feature_tables(
                 specs_by_combo, plan.site_rows, len(plan.add), self.order, self.saes, width, slots
             )
             plan.overflow = (
@@ -230,17 +230,17 @@ class SteeringPlanner:
                 or len(plan.add) > buffers.add.shape[0]
                 or plan.ablate.shape[1] > buffers.ablate.shape[1]
                 or (
-                    plan.clamp is not None
+                    plan.features is not None
                     and (
-                        clamp_buffers is None
-                        or not plan.clamping <= clamp_buffers.hosts  # a host not compiled
-                        or not plan.clamp.fits(clamp_buffers)
+                        feature_buffers is None
+                        or not plan.steered_hosts <= feature_buffers.hosts  # a host not compiled
+                        or not plan.features.fits(feature_buffers)
                     )
                 )
             )
             if plan.overflow:
                 self._loaded_key = None
-        buffers.clamping = plan.clamping
+        buffers.steered_hosts = plan.steered_hosts
         self.plan_ = plan
         return plan.overflow
 
@@ -273,7 +273,7 @@ class SteeringPlanner:
                 plan.unit.to(buffers.unit),  # type: ignore[union-attr]
                 plan.ablate.to(buffers.ablate.device),  # type: ignore[union-attr]
                 plan.ablate_scale.to(buffers.ablate.device),  # type: ignore[union-attr]
-                None if plan.clamp is None else plan.clamp.to(buffers.add.device),
+                None if plan.features is None else plan.features.to(buffers.add.device),
             )
             self._step_tables = (token_combo, plan.site_rows)  # type: ignore[assignment]
             return
@@ -283,24 +283,24 @@ class SteeringPlanner:
             upload(buffers.unit[: len(plan.unit)], plan.unit.to(buffers.unit.dtype))  # type: ignore[arg-type]
             upload(buffers.ablate[: len(plan.add)], plan.ablate)  # type: ignore[arg-type]
             upload(buffers.ablate_scale[: len(plan.add)], plan.ablate_scale)  # type: ignore[arg-type]
-            self._load_clamp(plan.clamp)
+            self._load_features(plan.features)
             self._loaded_key, self._loaded_site_rows = (plan.key, plan.saes), plan.site_rows
         if not np.array_equal(token_combo, self._on_device):
             upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
             self._on_device = token_combo
         self._step_tables = (token_combo, self._loaded_site_rows)  # type: ignore[assignment]
 
-    def _load_clamp(self, tables: ClampTables | None) -> None:
-        """Put a plan's SAE feature tables into the clamp buffers; a plan without features
+    def _load_features(self, tables: FeatureTables | None) -> None:
+        """Put a plan's SAE feature tables into the feature buffers; a plan without features
         points every site at the zero slot (the buffers' rows may hold another plan's)."""
-        clamp = self.buffers.clamp
-        if clamp is None:
+        features = self.buffers.features
+        if features is None:
             return
         if tables is not None:
-            tables.upload_to(clamp.tables())
-        elif self._clamp_loaded:
-            clamp.site_slot.zero_()
-        self._clamp_loaded = tables is not None
+            tables.upload_to(features.tables())
+        elif self._features_loaded:
+            features.site_slot.zero_()
+        self._features_loaded = tables is not None
 
     def steered_per_site(self) -> np.ndarray | None:
         """Per site, the tokens this step's steering steers there (None: no steering)."""

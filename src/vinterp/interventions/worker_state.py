@@ -37,10 +37,10 @@ from vinterp.wire.specs import Steering
 
 class WorkerInterventions:
     def __init__(
-        self, captures_here: bool, order: SiteOrder, hidden_size: int, saes: SaeRegistry
+        self, keeps_results: bool, order: SiteOrder, hidden_size: int, saes: SaeRegistry
     ) -> None:
         self.order, self.hidden_size, self.saes = order, hidden_size, saes
-        self.captures_here = captures_here  # TP: one rank records, the others skip the copies
+        self.keeps_results = keeps_results  # TP: one rank records, the others skip the copies
         self.global_steering: list[WorkerSteering] = []
         self.named: dict[str, WorkerSteering] = {}
         self.store = CaptureStore()
@@ -49,18 +49,24 @@ class WorkerInterventions:
         # this step's captured SAE sites at each host, with the most features one keeps
         self.sae_captures: dict[str, list[tuple[str, int | None]]] = {}
         self.gathering = GatherPlan({}, {})  # what this step's capture buffers gather
-        self.version = 0  # changes with global or named steering: requests' specs are cached
+        self._steering_changes = 0  # global or named steering set
 
     def set_global(self, wires: list[dict[str, Any]]) -> None:
         self.global_steering = [self._steer_spec(w) for w in wires]
-        self.version += 1
+        self._steering_changes += 1
 
     def register(self, name: str, wire: dict[str, Any] | None) -> None:
         if wire is None:
             self.named.pop(name, None)
         else:
             self.named[name] = self._steer_spec(wire)
-        self.version += 1
+        self._steering_changes += 1
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes with global or named steering and with every SAE attached: what requests'
+        decoded steering and the step's plan are cached for."""
+        return self._steering_changes, self.saes.attachments
 
     def _steer_spec(self, wire: dict[str, Any]) -> WorkerSteering:
         return worker_steering(
@@ -79,7 +85,7 @@ class WorkerInterventions:
         return [*self.global_steering, *named, *request.steering]
 
     def begin_capture_step(self, requests: list[tuple[RowSpan, WorkerCapture]]) -> None:
-        self.capture_tables = build_capture_tables(requests) if self.captures_here else {}
+        self.capture_tables = build_capture_tables(requests) if self.keeps_results else {}
         self.sae_captures = {}
         topk: dict[str, int | None] = {}
         for _, capture in requests:
@@ -114,7 +120,7 @@ class WorkerInterventions:
 
     def keep_row(self, site: str, capture_id: str, position: int, row: torch.Tensor) -> None:
         """Keep one captured row computed apart from the step's tables (an attention pattern's)."""
-        if self.captures_here:
+        if self.keeps_results:
             parts = [(capture_id, [position])]
             self.store.add_gathered(
                 site, SiteCapture(torch.zeros(1, dtype=torch.long), parts), row[None]
@@ -155,6 +161,6 @@ class WorkerInterventions:
     ) -> dict[str, Any]:
         """The rows of `capture_ids`, as files in the front end's `handoff` directory when
         it is on this host (`capture_files`), else inline."""
-        if not self.captures_here:
+        if not self.keeps_results:
             return {}
         return self.store.take(capture_ids, self.files.encoder(handoff))

@@ -60,7 +60,7 @@ class TraceRun:
     saved: dict[int, Any] = field(default_factory=dict)
     failure: Failure | None = None
     max_steps: dict[int, int] = field(default_factory=dict)
-    keeps_saves: bool = True  # False on TP ranks other than the first: they compute, not copy
+    keeps_results: bool = True  # False on TP ranks other than the first: they compute, not copy
     chunks: dict[int, Chunk] = field(default_factory=dict)  # invoke -> its prompt's chunk now
     done: dict[int, int] = field(default_factory=dict)  # invoke -> positions its nodes ran
     raw_parts: dict[int, list[Any]] = field(default_factory=dict)  # raw reads, chunk by chunk
@@ -282,7 +282,7 @@ class TraceRun:
         return result
 
     def _save(self, node_id: int, step: int) -> None:
-        if not self.keeps_saves:
+        if not self.keeps_results:
             self.value(node_id, step)  # computed all the same: a later node may need it
             return
         value = _copy(self.value(node_id, step), "cpu")

@@ -46,7 +46,7 @@ class TrackedRequest:
     num_computed: int  # tokens computed before this step (kept current by `RequestTracker`)
     specs: WorkerRequest | None
     steering: RequestSteering | None = None  # as of `steering_version` of the interventions
-    steering_version: int = -1
+    steering_version: tuple[int, int] | None = None
     captures_in_buffers: bool = False  # every site it captures has a capture buffer
     synced_step: int = field(default=-1, repr=False)
 

@@ -58,7 +58,7 @@ class StepRouter:
         # the last steering plan: for which interventions version, whether every steered
         # request was decoding (then the same batch next step keeps the plan), and whether
         # it overflows the buffers
-        self.planned_version = -1
+        self.planned_version: tuple[int, int] | None = None
         self.decodes_only = False
         self.overflows = False
         self.watched_total = 0  # watched requests looked at, summed over steps

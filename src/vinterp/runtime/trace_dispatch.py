@@ -55,11 +55,15 @@ class TraceDispatch:
         device: torch.device,
         functions: dict[str, Callable[..., Any]],
         last_stage_start: int | None,
-        keeps_saves: bool,
+        keeps_results: bool,
         model: torch.nn.Module,
     ) -> None:
         self.order, self.device, self.functions = order, device, functions
-        self.last_stage_start, self.keeps_saves, self.model = last_stage_start, keeps_saves, model
+        self.last_stage_start, self.keeps_results, self.model = (
+            last_stage_start,
+            keeps_results,
+            model,
+        )
         self.traces: dict[str, TraceRun] = {}
         self.raw_hooks: dict[str, list[Any]] = {}
         self.raw_modules: dict[str, tuple[torch.nn.Module, str]] = {}  # raw site -> module, which
@@ -74,7 +78,7 @@ class TraceDispatch:
             graph = from_wire(wire, self.order)
             graph.tensors = [t.to(self.device) for t in graph.tensors]
             plan = make_plan(graph, self.order, self.last_stage_start)
-            run = TraceRun(graph, plan, self.functions, keeps_saves=self.keeps_saves)
+            run = TraceRun(graph, plan, self.functions, keeps_results=self.keeps_results)
             raw_sites = raw_sites_of(graph)
             self.raw_hooks[trace_id] = install_raw_hooks(self.model, raw_sites, on_raw)
             for site in raw_sites:

@@ -68,7 +68,7 @@ class WorkerRuntime:
         self.check = check  # counts what the sites applied, per step (`interventions.applied`)
         self.tp = TensorParallel(parallel)
         # TP ranks hold the same values: the first of each stage keeps saves and captures
-        ships_results = parallel.tp_rank == 0
+        keeps_results = parallel.tp_rank == 0
         head = modules.lm_head
         functions: dict[str, Callable[..., Any]] = {
             "final_norm": unhooked(modules.final_norm),
@@ -85,13 +85,13 @@ class WorkerRuntime:
         self.captured_sites: frozenset[str] = frozenset()  # those this step's captures name
         self.pipeline = StageValues(_last_position(modules, order, parallel.is_last_stage))
         self.traces = TraceDispatch(
-            order, steer.add.device, functions, last_stage_start, ships_results, model
+            order, steer.add.device, functions, last_stage_start, keeps_results, model
         )
         self.keys = KeyStore()
         self.pattern_captures: dict[str, list[RequestCapture]] = {}
         self.capture_buffers = capture
         self.interventions = WorkerInterventions(
-            ships_results, order, steer.add.shape[1], self.saes
+            keeps_results, order, steer.add.shape[1], self.saes
         )
         self.steering = SteeringPlanner(steer, order, self.saes)
         self.tracker = RequestTracker(self._describe)
@@ -116,7 +116,6 @@ class WorkerRuntime:
             self.saes.attach_wire(site, wire)
         except (KeyError, TypeError, ValueError) as exc:
             return f"the SAE for {site} could not be attached: {exc}"
-        self.interventions.version += 1  # steering of its features is planned again
         return None
 
     def forget(self, trace_id: str) -> None:

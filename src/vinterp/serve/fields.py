@@ -18,8 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vinterp.api.requests import Prepared, captured_tensors, check_steering
-from vinterp.engine.config_keys import CHECK_APPLIED_KEY
+from vinterp.engine.settings import EngineSettings
+from vinterp.engine.vllm_boundary.engine_config import engine_config
 from vinterp.engine.vllm_engine import unapplied_error
+from vinterp.engine.worker_calls import WorkerCalls
 from vinterp.errors import InterventionError
 from vinterp.interventions.capture_store import merge_captures
 from vinterp.serve import client_limits
@@ -110,7 +112,7 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     try:
         served = getattr(request.app.state, "vinterp_steering", None)
         named = served.named if served is not None else {}
-        prepared = parse_field(body.pop(FIELD), engine.model_config.hf_config, named)
+        prepared = parse_field(body.pop(FIELD), engine_config(engine).hf_config, named)
         several = _many_prompts(body) or body.get("n") not in (None, 1)
         if prepared.capture is not None and (body.get("stream") or several):
             raise FieldError(
@@ -156,12 +158,13 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
 def _checks_applied(engine: Any) -> bool:
     """Whether the served engine's workers count what their site ops applied
     (`VINTERP_CHECK_APPLIED=1` when the server started)."""
-    return bool((engine.vllm_config.additional_config or {}).get(CHECK_APPLIED_KEY))
+    settings = EngineSettings.of_config(engine_config(engine).additional)
+    return settings is not None and settings.check_applied
 
 
 async def _raise_unapplied(engine: Any) -> None:
     """Raise what the workers' checks found (concurrent requests share the findings)."""
-    error = unapplied_error(await engine.collective_rpc("vinterp_unapplied"))
+    error = unapplied_error(await WorkerCalls.of(engine).unapplied())
     if error is not None:
         raise error
 
@@ -185,5 +188,5 @@ def _many_prompts(body: dict[str, Any]) -> bool:
 
 
 async def _take_captures(engine: Any, capture_id: str) -> dict[str, Any]:
-    per_worker = await engine.collective_rpc("vinterp_take_captures", args=([capture_id],))
+    per_worker = await WorkerCalls.of(engine).take_captures([capture_id])
     return merge_captures(per_worker).get(capture_id, {})

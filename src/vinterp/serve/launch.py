@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vinterp.engine.vllm_engine import vinterp_engine_settings
+from vinterp.engine.settings import EngineSettings
+from vinterp.engine.vllm_engine import vinterp_engine_arguments
 from vinterp.engine.vllm_serve import run_vllm_serve, vllm_serve_parser, with_checkpoint_dtype
 
 MIDDLEWARE = "vinterp.serve.fields.vinterp_fields"
@@ -83,10 +84,10 @@ def vllm_serve_argv(
     port: int,
     api_key: str | None,
     rest: list[str],
-    capture_in_graph: bool | str | list[str] = False,
+    settings: EngineSettings,
 ) -> list[str]:
     """The arguments of `vllm serve` for a vinterp server."""
-    settings = vinterp_engine_settings(capture_in_graph=capture_in_graph)
+    settings = vinterp_engine_arguments(settings)
     argv = [
         model,
         "--host",
@@ -143,13 +144,9 @@ def serve(
     model = check_model(model)
     config = model_config(model)
     allow_routes_plugin()
-    from vinterp.engine.vllm_engine import check_graph_settings
-
-    check_graph_settings(config, {"capture_in_graph": capture_in_graph})
+    settings = EngineSettings.from_keywords({"capture_in_graph": capture_in_graph}, config=config)
     rest = with_checkpoint_dtype(model, rest)
-    run_vllm_serve(
-        vllm_serve_argv(model, host, port, api_key, rest, capture_in_graph), "vinterp serve"
-    )
+    run_vllm_serve(vllm_serve_argv(model, host, port, api_key, rest, settings), "vinterp serve")
     from vinterp.serve.routes import ENGINE_DIED
 
     if ENGINE_DIED.is_set():

@@ -27,7 +27,9 @@ from starlette.responses import JSONResponse
 
 from vinterp.api.requests import check_steering
 from vinterp.engine.outputs import output_to_json
+from vinterp.engine.vllm_boundary.engine_config import engine_config
 from vinterp.engine.vllm_boundary.parallel import last_stage_start
+from vinterp.engine.worker_calls import WorkerCalls
 from vinterp.errors import InterventionError
 from vinterp.ir.graph import Graph
 from vinterp.ir.plan import PlanError, make_plan
@@ -61,8 +63,12 @@ def _engine(request: Request) -> Any:
     return request.app.state.engine_client
 
 
+def _workers(request: Request) -> WorkerCalls[Any]:
+    return WorkerCalls.of(_engine(request))
+
+
 def _config(request: Request) -> Any:
-    return _engine(request).model_config.hf_config
+    return engine_config(_engine(request)).hf_config
 
 
 async def _json_body(request: Request) -> Any:
@@ -80,17 +86,16 @@ router = APIRouter()
 async def sites(request: Request) -> JSONResponse:
     """The served model's sites and configuration: what `vinterp.Client` builds its module
     tree from (no weights)."""
-    engine = _engine(request)
-    config = _config(request)
-    parallel = engine.vllm_config.parallel_config
+    served = engine_config(_engine(request))
+    config = served.hf_config
     return JSONResponse(
         {
-            "model": engine.model_config.served_model_name,
+            "model": served.served_name,
             "num_layers": int(config.num_hidden_layers),
             "hidden_size": int(config.hidden_size),
             "vocab_size": int(config.vocab_size),
             "sites": site_order(config).sites,
-            "pipeline_parallel_size": parallel.pipeline_parallel_size,
+            "pipeline_parallel_size": served.pipeline_parallel_size,
             "config": json.loads(config.to_json_string()),
         }
     )
@@ -99,7 +104,7 @@ async def sites(request: Request) -> JSONResponse:
 @router.get("/v1/vinterp/stats")
 async def stats(request: Request) -> JSONResponse:
     """The engine's step counts (`LLM.step_stats`)."""
-    return JSONResponse((await _engine(request).collective_rpc("vinterp_step_stats"))[0])
+    return JSONResponse((await _workers(request).step_stats())[0])
 
 
 @router.get("/v1/vinterp/held")
@@ -107,7 +112,7 @@ async def held(request: Request) -> JSONResponse:
     """What the workers hold for requests, summed (`vinterp_held_state`): traces, requests
     followed, captured rows not yet taken, keys kept for attention patterns; all zero once
     nothing runs."""
-    per_worker = await _engine(request).collective_rpc("vinterp_held_state")
+    per_worker = await _workers(request).held_state()
     return JSONResponse({key: sum(w[key] for w in per_worker) for key in per_worker[0]})
 
 
@@ -142,7 +147,7 @@ def decode_trace(
 async def trace(request: Request) -> JSONResponse:
     """Run one serialized trace; its outputs, saves and failure (one that names the line)."""
     engine, limit = _engine(request), client_limits.current()
-    stages = engine.vllm_config.parallel_config.pipeline_parallel_size
+    stages = engine_config(engine).pipeline_parallel_size
     try:
         body = await _json_body(request)
         wire, graph, plan = decode_trace(body, _config(request), stages, limit)
@@ -228,7 +233,7 @@ async def put_steering(request: Request) -> JSONResponse:
             for spec in specs:
                 check_steering(spec, config, {}, "global")  # a server holds no SAE
             wires = [s.to_wire() for s in specs]
-            await engine.collective_rpc("vinterp_set_steering", args=(wires,))
+            await WorkerCalls.of(engine).set_steering(wires)
             state.global_ = specs
         elif isinstance(body, dict) and set(body) == {"name", "steering"}:
             name = body["name"]
@@ -236,7 +241,7 @@ async def put_steering(request: Request) -> JSONResponse:
                 raise BadRequest("name: a non-empty string of at most 200 characters")
             spec = Steering.from_json(body["steering"])
             check_steering(spec, config, {}, "steering")
-            await engine.collective_rpc("vinterp_register_steering", args=(name, spec.to_wire()))
+            await WorkerCalls.of(engine).register_steering(name, spec.to_wire())
             state.named[name] = spec
         else:
             raise BadRequest(
@@ -254,10 +259,10 @@ async def delete_steering(request: Request, name: str | None = None) -> JSONResp
     """No name: clear the global steering; `?name=N`: unregister N."""
     state, engine = _steering_state(request), _engine(request)
     if name is None:
-        await engine.collective_rpc("vinterp_set_steering", args=([],))
+        await WorkerCalls.of(engine).set_steering([])
         state.global_ = []
     elif name in state.named:
-        await engine.collective_rpc("vinterp_register_steering", args=(name, None))
+        await WorkerCalls.of(engine).register_steering(name, None)
         del state.named[name]
     else:
         return bad_request(f"no steering named {name!r} is registered")

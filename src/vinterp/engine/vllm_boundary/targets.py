@@ -56,10 +56,68 @@ class Target:
 
 
 TARGETS: tuple[Target, ...] = (
-    # engine/plugin.py: the sites are installed when a runner loads its model
+    # load_model.py: the sites are installed when a runner loads its model
     Target(f"{V1_RUNNER}.load_model", "patched: installs the sites after loading", platform="gpu"),
     Target(f"{V2_RUNNER}.load_model", "patched: installs the sites after loading", platform="gpu"),
     Target(f"{CPU_RUNNER}.load_model", "patched: installs the sites after loading", platform="cpu"),
+    # engine_config.py: the configuration of a running engine and of a worker's runner
+    Target(
+        "vllm.config:VllmConfig",
+        "read: what an engine was started with (vinterp's settings in additional_config)",
+        fields=(
+            "model_config",
+            "scheduler_config",
+            "cache_config",
+            "parallel_config",
+            "compilation_config",
+            "additional_config",
+        ),
+    ),
+    Target(
+        "vllm.config.model:ModelConfig",
+        "read: the model's configuration, dtype, length and served name",
+        fields=("hf_config", "dtype", "max_model_len", "served_model_name"),
+    ),
+    Target(
+        "vllm.config.scheduler:SchedulerConfig",
+        "read: how much one step computes",
+        fields=("max_num_batched_tokens", "max_num_seqs"),
+    ),
+    Target(
+        "vllm.config.cache:CacheConfig", "read: prefix caching", fields=("enable_prefix_caching",)
+    ),
+    Target(
+        "vllm.config.parallel:ParallelConfig",
+        "read: the parallel sizes",
+        fields=("tensor_parallel_size", "pipeline_parallel_size"),
+    ),
+    Target("vllm.entrypoints.llm:LLM", "read: its engine", instance=("llm_engine",)),
+    Target(
+        "vllm.v1.engine.llm_engine:LLMEngine",
+        "read: its configuration and engine-core client",
+        instance=("vllm_config", "engine_core"),
+    ),
+    Target(
+        "vllm.v1.engine.llm_engine:LLMEngine.add_request",
+        "called: an extraction's streamed request",
+        ("request_id", "prompt", "params"),
+    ),
+    Target("vllm.v1.engine.llm_engine:LLMEngine.step", "called: an extraction's engine step"),
+    Target("vllm.v1.engine.async_llm:AsyncLLM", "read", instance=("vllm_config",)),
+    Target("vllm.v1.engine.core_client:EngineCoreClient.shutdown", "called: stops the engine"),
+    Target(
+        "vllm.v1.worker.gpu_worker:Worker",
+        "read: the model runner the worker extension reaches",
+        instance=("model_runner",),
+    ),
+    Target(f"{V1_RUNNER}.get_model", "called: the model the sites go into"),
+    Target(f"{V2_RUNNER}.get_model", "called: the model the sites go into", platform="gpu"),
+    Target(
+        V2_RUNNER,
+        "read: its configuration and device",
+        instance=("vllm_config", "model_config", "device"),
+        platform="gpu",
+    ),
     # kept_layers.py: an engine with num_layers skips the checkpoint's later layers
     Target(
         f"{WEIGHT_LOADER}.get_all_weights",
@@ -91,7 +149,14 @@ TARGETS: tuple[Target, ...] = (
     Target(
         V1_RUNNER,
         "read: the batch layout and the sampler",
-        instance=("input_batch", "query_start_loc", "sampler"),
+        instance=(
+            "input_batch",
+            "query_start_loc",
+            "sampler",
+            "vllm_config",
+            "model_config",
+            "device",
+        ),
     ),
     Target(
         "vllm.v1.worker.gpu_input_batch:InputBatch",
@@ -166,7 +231,13 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "vllm.config.compilation:CompilationConfig",
         "read and restored: the custom ops an uncompiled engine enables",
-        fields=("custom_ops", "enabled_custom_ops", "disabled_custom_ops", "mode"),
+        fields=(
+            "custom_ops",
+            "enabled_custom_ops",
+            "disabled_custom_ops",
+            "mode",
+            "max_cudagraph_capture_size",
+        ),
     ),
     Target(
         "vllm.config.kernel:IrOpPriorityConfig.set_priority",

@@ -15,7 +15,7 @@ only, so each host with steered features this step gets a slot holding just thei
 with s = site_slot[site] and row the token's table row at the site (the additive steering's
 rows, `steer_buffers`). Slot 0 and row 0 are zero, so an unsteered token adds exactly 0.
 Computed in float32 from persistent buffers of fixed shapes (allocated before graph capture).
-Only the hosts named at engine start (`sae_clamp_hosts`) carry the formula in the compiled
+Only the hosts named at engine start (`sae_steering_hosts`) carry the formula in the compiled
 model, so every other site costs what it costs without an SAE; a step that steers features at
 another host, or more features than the buffers hold, runs uncompiled with tables of the same
 form.
@@ -35,23 +35,23 @@ from vinterp.sites.names import STEERABLE, SiteOrder, UnknownSiteError, parse_si
 
 # `norm` codes: how a slot's SAE normalises its input at run time
 NORMS = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
-# The engine setting `sae_clamp_features` by default: the features per host the compiled
+# The engine setting `sae_steering_features` by default: the features per host the compiled
 # tables hold (the union a step steers at one host)
-CLAMP_FEATURES = 32
+SAE_STEERING_FEATURES = 32
 
 
-def clamp_features_setting(value: object) -> int:
-    """The engine setting `sae_clamp_features`, checked: an int >= 1."""
+def sae_steering_features_setting(value: object) -> int:
+    """The engine setting `sae_steering_features`, checked: an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"sae_clamp_features: the SAE features per host that steering's compiled tables "
-            f"hold, an int >= 1 (default {CLAMP_FEATURES}), not {value!r}"
+            f"sae_steering_features: the SAE features per host that steering's compiled tables "
+            f"hold, an int >= 1 (default {SAE_STEERING_FEATURES}), not {value!r}"
         )
     return value
 
 
-def clamp_hosts_setting(value: object) -> list[str]:
-    """The engine setting `sae_clamp_hosts` as the engine's config carries it (JSON): the
+def sae_steering_hosts_setting(value: object) -> list[str]:
+    """The engine setting `sae_steering_hosts` as the engine's config carries it (JSON): the
     host sites (names or globs) whose SAE feature steering is compiled; None: none."""
     if value is None:
         return []
@@ -60,28 +60,29 @@ def clamp_hosts_setting(value: object) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
     raise TypeError(
-        f"sae_clamp_hosts={value!r}: give the sites whose SAE features steering clamps in the "
-        "compiled model, e.g. 'layers.10.output' or ['layers.4.output', 'layers.*.mlp.output']"
+        f"sae_steering_hosts={value!r}: give the sites whose SAE feature steering (clamp or "
+        "add) runs in the compiled model, e.g. 'layers.10.output' or ['layers.4.output', "
+        "'layers.*.mlp.output']"
     )
 
 
-def clamp_host_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
-    """The ids of the `sae_clamp_hosts` sites; a name that is not a site, or a site with no
+def sae_steering_host_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
+    """The ids of the `sae_steering_hosts` sites; a name that is not a site, or a site with no
     steering (an SAE host must be one), raises UnknownSiteError saying which are."""
     sites = [site for pattern in setting for site in order.expand(pattern)]
     for site in sites:
         parsed = parse_site(site)
         if parsed.kind != "layer" or parsed.sae or parsed.part not in STEERABLE:
             raise UnknownSiteError(
-                f"sae_clamp_hosts: {site} cannot host feature steering; the hosts are "
+                f"sae_steering_hosts: {site} cannot host feature steering; the hosts are "
                 f"layers.{{i}}.{'|'.join(STEERABLE)}"
             )
     return frozenset(map(order.__getitem__, sites))
 
 
 @dataclass
-class ClampTables:
-    """The tensors the clamp formula reads (module docstring)."""
+class FeatureTables:
+    """The tensors the feature steering formula reads (module docstring)."""
 
     site_slot: torch.Tensor  # (sites,) int64
     norm: torch.Tensor  # (slots,) int64, NORMS
@@ -96,7 +97,7 @@ class ClampTables:
     @classmethod
     def zeros(
         cls, sites: int, slots: int, features: int, rows: int, hidden: int, device: torch.device
-    ) -> ClampTables:
+    ) -> FeatureTables:
         def z(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
@@ -134,23 +135,23 @@ class ClampTables:
             dec = dec / dec.norm(dim=-1, keepdim=True)
         self.dec[slot, :n] = dec
 
-    def fits(self, buffers: ClampBuffers) -> bool:
+    def fits(self, buffers: FeatureBuffers) -> bool:
         """Whether these (host) tables fit the persistent buffers: as many slots and features
         (the tables are built that wide), no more rows."""
         return self.enc.shape == buffers.enc.shape and len(self.value) <= len(buffers.value)
 
-    def upload_to(self, buffers: ClampTables) -> None:
+    def upload_to(self, buffers: FeatureTables) -> None:
         """Copy into the persistent buffers (their first rows: later rows are never read)."""
         for name in self.__dataclass_fields__:
             mine = getattr(self, name)
             upload(getattr(buffers, name)[: len(mine)], mine)
 
-    def to(self, device: torch.device) -> ClampTables:
-        return ClampTables(*(getattr(self, n).to(device) for n in self.__dataclass_fields__))
+    def to(self, device: torch.device) -> FeatureTables:
+        return FeatureTables(*(getattr(self, n).to(device) for n in self.__dataclass_fields__))
 
 
 def feature_delta(
-    t: ClampTables, site: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+    t: FeatureTables, site: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
     """What the steered features add to the host rows x (T, H) at `site` (a one-element
     tensor), float32 (module docstring). Plain tensor ops: compiled and replayed as recorded."""
@@ -171,8 +172,8 @@ def feature_delta(
     return (c @ t.dec[s][0]) * undo
 
 
-class ClampBuffers(nn.Module):
-    """The persistent ClampTables of the compiled `hosts`: `features` (R) per host slot, a slot
+class FeatureBuffers(nn.Module):
+    """The persistent FeatureTables of the compiled `hosts`: `features` (R) per host slot, a slot
     per host (slot 0 stays zero), one value row per additive steering row."""
 
     def __init__(
@@ -186,15 +187,15 @@ class ClampBuffers(nn.Module):
     ) -> None:
         super().__init__()
         self.hosts = hosts
-        zeros = ClampTables.zeros(
+        zeros = FeatureTables.zeros(
             num_sites, len(hosts) + 1, features, max_rows, hidden_size, device
         )
-        for name in ClampTables.__dataclass_fields__:
+        for name in FeatureTables.__dataclass_fields__:
             self.register_buffer(name, getattr(zeros, name), persistent=False)
 
     @property
     def features(self) -> int:
         return self.enc.shape[1]
 
-    def tables(self) -> ClampTables:
-        return ClampTables(*(getattr(self, n) for n in ClampTables.__dataclass_fields__))
+    def tables(self) -> FeatureTables:
+        return FeatureTables(*(getattr(self, n) for n in FeatureTables.__dataclass_fields__))
