@@ -14,6 +14,7 @@ from vinterp.bench.harness import REFERENCE, Row, timed_interleaved
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.request_tracking import NewRequest, StepLayout, StepSchedule
 from vinterp.runtime.tensor_parallel import ParallelLayout
+from vinterp.runtime.worker_parts import build_parts
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import SiteOrder
@@ -29,7 +30,8 @@ def _runtime(max_seqs: int) -> WorkerRuntime:
     steer = SteerBuffers(len(order.sites), HIDDEN, 4 * max_seqs, rows, rows, torch.float32, "cpu")
     stand_in = torch.nn.Identity()  # the sites' modules are never called here
     modules = SiteModules(stand_in, torch.nn.ModuleList(), stand_in, stand_in)
-    return WorkerRuntime(torch.nn.Identity(), modules, order, steer, ParallelLayout(), None)
+    parts = build_parts(torch.nn.Identity(), modules, order, steer, ParallelLayout(), None)
+    return WorkerRuntime(parts)
 
 
 def _decoding(runtime: WorkerRuntime, plain: int, steering: Steering | None) -> Callable[[], None]:

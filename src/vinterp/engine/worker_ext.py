@@ -25,6 +25,7 @@ from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.feature_buffers import sae_steering_host_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
+from vinterp.runtime.worker_parts import build_parts
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import find_site_modules, site_order
 from vinterp.sites.names import HEAD_SITES, SiteOrder
@@ -78,7 +79,7 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
     calls = SiteCalls()
     capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
 
-    runtime = WorkerRuntime(
+    parts = build_parts(
         model,
         modules,
         order,
@@ -90,6 +91,7 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
         if counters is None
         else AppliedCheck(counters, held_site_ids(modules, order), order),
     )
+    runtime = WorkerRuntime(parts)
     instrument(runner, runtime, calls)
     setattr(runner, RUNTIME_ATTR, runtime)
     setattr(runner, SITE_CALLS_ATTR, calls)

@@ -8,7 +8,9 @@ token's row.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +18,12 @@ from vinterp.interventions.specs import WorkerCapture
 from vinterp.interventions.tables import RowSpan
 from vinterp.sites.attention_pattern import Pattern, PatternMath
 
+if TYPE_CHECKING:
+    from vinterp.runtime.trace_dispatch import Slot
+
 RequestCapture = tuple[str, RowSpan, WorkerCapture]  # a capturing request's id, rows and spec
+# keep_row(site, capture id, position, row): a captured pattern row
+KeepRow = Callable[[str, str, int, torch.Tensor], None]
 
 
 class KeptKeys:
@@ -115,3 +122,42 @@ class KeyStore:
 
     def held(self) -> int:
         return len(self.invokes) + len(self.captures) + sum(map(len, self.queries.values()))
+
+
+def read_patterns(
+    keys: KeyStore,
+    site: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    math: PatternMath,
+    slots: Sequence[Slot],
+    reading: Sequence[Slot],
+    captures: Sequence[RequestCapture],
+    keep_row: KeepRow,
+) -> None:
+    """A layer's q and k (T, heads, head_dim, whole heads): each traced invoke in `slots`
+    (those that read this layer's pattern in some step) keeps its keys (its positions before
+    this step's from earlier steps: vLLM's cache layout is the attention backend's own), and
+    those `reading` it in this step get it over all of them; a prompt computed in chunks gets
+    its pattern once its last chunk is in. Each capturing request keeps its keys until its
+    last prompt token's row is captured (`keep_row`)."""
+    wanted = {id(slot) for slot in reading}
+    for slot in slots:
+        kept = keys.of_invoke(slot.trace_id, slot.invoke)
+        pattern = kept_pattern(kept, site, query, key, slot.start, slot.end, slot.first, math)
+        if id(slot) not in wanted:
+            continue
+        chunk = slot.run.chunk(slot.invoke)
+        if slot.step == 0 and (chunk.start > 0 or not chunk.final):  # a prompt in chunks
+            whole = keys.whole_prompt(slot.trace_id, slot.invoke, site, pattern, chunk.final)
+            if whole is None:
+                continue
+            pattern = whole
+        slot.run.at_site(slot.invoke, slot.step, site, pattern)
+    for req_id, span, capture in captures:
+        kept = keys.of_capture(req_id)
+        first, last = span.first_position, span.prompt_len - 1
+        pattern = kept_pattern(kept, site, query, key, span.start, span.end, first, math)
+        if last < first + span.end - span.start:  # the last prompt token is in this step
+            keep_row(site, capture.capture_id, last, pattern.row(last - first, capture.heads))
+            keys.drop_capture_site(req_id, site)

@@ -62,7 +62,7 @@ class TraceRun:
     max_steps: dict[int, int] = field(default_factory=dict)
     keeps_results: bool = True  # False on TP ranks other than the first: they compute, not copy
     chunks: dict[int, Chunk] = field(default_factory=dict)  # invoke -> its prompt's chunk now
-    done: dict[int, int] = field(default_factory=dict)  # invoke -> positions its nodes ran
+    _ran: dict[int, int] = field(default_factory=dict)  # invoke -> positions its nodes ran
     raw_parts: dict[int, list[Any]] = field(default_factory=dict)  # raw reads, chunk by chunk
 
     def __post_init__(self) -> None:
@@ -115,6 +115,18 @@ class TraceRun:
         self.chunks[invoke] = Chunk(start, end, len(self.graph.invokes[invoke].prompt))
         for node_id in self.calls_by_invoke.get(invoke, ()):
             self.values.pop((node_id, 0), None)
+
+    def positions_ran(self, invoke: int) -> int:
+        """How many of the invoke's positions its nodes ran: a request computed again (after
+        a preemption) replays those."""
+        return self._ran.get(invoke, 0)
+
+    def runs(self, invoke: int, step: int, start: int, end: int) -> None:
+        """The invoke's nodes run positions start..end-1 in this engine step (in generation
+        step `step`; in step 0, a chunk of its prompt)."""
+        if step == 0:
+            self.begin_chunk(invoke, start, end)
+        self._ran[invoke] = end
 
     def chunk(self, invoke: int) -> Chunk:
         length = len(self.graph.invokes[invoke].prompt)

@@ -117,7 +117,7 @@ class TraceDispatch:
         if run is None:
             return False
         invoke = req.trace[1]
-        replays = req.num_computed < run.done.get(invoke, 0) and bool(run.write_sites(invoke))
+        replays = req.num_computed < run.positions_ran(invoke) and bool(run.write_sites(invoke))
         return replays or run.works_at(invoke, req.step(num_tokens))
 
     def clear_step(self) -> None:
@@ -129,7 +129,7 @@ class TraceDispatch:
         computed again) are replayed: at the sites the invoke wrote, their written rows."""
         trace_id, invoke = req.trace  # type: ignore[misc]
         run = self.traces[trace_id]
-        first, done = req.num_computed, run.done.get(invoke, 0)
+        first, done = req.num_computed, run.positions_ran(invoke)
         step = req.step(end - start)
         if first > done and step == 0:  # prompt positions the trace never saw
             if run.failure is None:
@@ -144,9 +144,7 @@ class TraceDispatch:
         if fresh == end:
             return
         begin = first + fresh - start
-        if step == 0:
-            run.begin_chunk(invoke, begin, begin + end - fresh)
-        run.done[invoke] = begin + end - fresh
+        run.runs(invoke, step, begin, begin + end - fresh)
         slot = Slot(run, trace_id, invoke, step, fresh, end, row, begin)
         self.slots.append(slot)
         for site in run.sites_by_invoke.get(invoke, ()):

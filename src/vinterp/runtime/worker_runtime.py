@@ -1,4 +1,5 @@
-"""Worker-side runtime inside vLLM: one per model runner, made of parts with one job each.
+"""Worker-side runtime inside vLLM: one per model runner, made of parts with one job each
+(built by `worker_parts.build_parts`):
 
 - `RequestTracker` (request_tracking): the live requests and their progress;
 - `StepRouter` (step_routing): steering plans and each step's `StepMode`;
@@ -16,88 +17,48 @@ the capture buffers); `end_step()` once the forward is queued.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from vinterp.interventions.applied import AppliedCheck
-from vinterp.interventions.capture_buffers import CaptureBuffers
-from vinterp.interventions.sae_registry import SaeRegistry
-from vinterp.interventions.steer_buffers import SteerBuffers
-from vinterp.interventions.steer_tables import SteeringPlanner
 from vinterp.interventions.tables import RowSpan
-from vinterp.interventions.worker_state import WorkerInterventions
 from vinterp.runtime.attention_keys import (
-    KeyStore,
     RequestCapture,
-    kept_pattern,
     pattern_captures,
+    read_patterns,
 )
-from vinterp.runtime.pipeline import StageValues
 from vinterp.runtime.request_tracking import (
-    NewRequest,
-    RequestTracker,
     StepLayout,
     StepSchedule,
     TrackedRequest,
 )
-from vinterp.runtime.step_routing import StepMode, StepRouter
-from vinterp.runtime.tensor_parallel import ParallelLayout, TensorParallel, VLLMParams
+from vinterp.runtime.step_routing import StepMode
 from vinterp.runtime.trace_dispatch import TraceDispatch
+from vinterp.runtime.worker_parts import WorkerParts
 from vinterp.sites.attention_pattern import PatternMath
-from vinterp.sites.modules import SiteModules, unhooked
-from vinterp.sites.names import HEAD_SITES, PATTERN, SiteOrder, parse_site
-from vinterp.wire.json_form import payload_from_text
+from vinterp.sites.names import parse_site
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 
 
 class WorkerRuntime:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        modules: SiteModules,
-        order: SiteOrder,
-        steer: SteerBuffers,
-        parallel: ParallelLayout,
-        last_stage_start: int | None,
-        capture: CaptureBuffers | None = None,
-        check: AppliedCheck | None = None,
-    ) -> None:
-        self.order = order
-        self.check = check  # counts what the sites applied, per step (`interventions.applied`)
-        self.tp = TensorParallel(parallel)
-        # TP ranks hold the same values: the first of each stage keeps saves and captures
-        keeps_results = parallel.tp_rank == 0
-        head = modules.lm_head
-        functions: dict[str, Callable[..., Any]] = {
-            "final_norm": unhooked(modules.final_norm),
-            "lm_head": lambda x: self.tp.full_logits(
-                head, torch.nn.functional.linear(x, head.weight)
-            ),
-            "param": VLLMParams(model, modules, self.tp).read,
-        }
-        self.saes = SaeRegistry(steer.add.device, steer.add.dtype)
-        functions.update(self.saes.functions())
-        # under TP each rank holds some of the heads: per-head sites are gathered (`_on_heads`)
-        sharded = parallel.tp_size > 1
-        self.sharded = order.ids_of((*HEAD_SITES, PATTERN)) if sharded else frozenset()
+    """Sequences each step across the parts (`worker_parts.build_parts` makes them)."""
+
+    def __init__(self, parts: WorkerParts) -> None:
+        self.order = parts.order
+        self.check = parts.check
+        self.tp = parts.tp
+        self.saes = parts.saes
+        self.sharded = parts.sharded
+        self.pipeline = parts.pipeline
+        self.traces = parts.traces
+        self.keys = parts.keys
+        self.interventions = parts.interventions
+        self.steering = parts.steering
+        self.tracker = parts.tracker
+        self.router = parts.router
+        self.capture_buffers = parts.capture_buffers
         self.captured_sites: frozenset[str] = frozenset()  # those this step's captures name
-        self.pipeline = StageValues(_last_position(modules, order, parallel.is_last_stage))
-        self.traces = TraceDispatch(
-            order, steer.add.device, functions, last_stage_start, keeps_results, model
-        )
-        self.keys = KeyStore()
         self.pattern_captures: dict[str, list[RequestCapture]] = {}
-        self.capture_buffers = capture
-        self.interventions = WorkerInterventions(
-            keeps_results, order, steer.add.shape[1], self.saes
-        )
-        self.steering = SteeringPlanner(steer, order, self.saes)
-        self.tracker = RequestTracker(self._describe)
-        self.router = StepRouter(
-            self.tracker, self.interventions, self.steering, capture, self.traces.works_now
-        )
         self.mode = StepMode()
         self.num_tokens = 0
         self.counts = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
@@ -160,21 +121,6 @@ class WorkerRuntime:
         self.counts["uncompiled_steps"] += self.mode.uncompiled
         self.counts["graph_capture_steps"] += self.mode.graph_capture
         return self.mode
-
-    def _describe(self, new: NewRequest) -> TrackedRequest:
-        payload = new.payload
-        if isinstance(payload, str):  # from `vinterp serve` (vLLM's server passes text only)
-            payload = payload_from_text(payload)
-        specs = self.interventions.decode(payload) if payload else None
-        req = TrackedRequest(new.prompt_len, new.num_computed, specs)
-        capture = req.capture
-        if capture is not None and self.capture_buffers is not None:
-            chosen = self.capture_buffers.chosen
-            # an SAE site is gathered at its host (`order` gives the host's id)
-            req.captures_in_buffers = not capture.patterns and all(
-                self.order[s] in chosen for s in capture.sites
-            )
-        return req
 
     def begin_step(self, layout: StepLayout, num_tokens: int) -> None:
         """Once the runner has laid out the batch: steering buffers written, capture tables
@@ -268,11 +214,9 @@ class WorkerRuntime:
     def on_pattern(
         self, site_id: int, query: torch.Tensor, key: torch.Tensor, math: PatternMath
     ) -> None:
-        """A layer's q and k (T, heads, head_dim): each traced invoke that reads this layer's
-        pattern in some step keeps its keys (its positions before this step's from earlier
-        steps: vLLM's cache layout is the attention backend's own), and where it reads the
-        pattern in this step gets it over all of them. Whole heads under TP (a collective,
-        alike on every rank: the slots are)."""
+        """A layer's q and k (T, heads, head_dim), whole heads under TP (a collective, alike
+        on every rank: the slots are), for the traced invokes and captures that read its
+        pattern (`attention_keys.read_patterns`)."""
         if self.check is not None:
             self.check.visit(site_id)
         site = self.order.sites[site_id]
@@ -283,28 +227,9 @@ class WorkerRuntime:
             assert self.order.heads is not None
             query = self.tp.full_heads(query, self.order.heads.heads)
             key = self.tp.full_heads(key, self.order.heads.kv_heads)
-        reading = {id(slot) for slot in self.traces.wanted.get(site, ())}
-        for slot in slots:
-            kept = self.keys.of_invoke(slot.trace_id, slot.invoke)
-            pattern = kept_pattern(kept, site, query, key, slot.start, slot.end, slot.first, math)
-            if id(slot) not in reading:
-                continue
-            chunk = slot.run.chunk(slot.invoke)
-            if slot.step == 0 and (chunk.start > 0 or not chunk.final):  # a prompt in chunks
-                ids = (slot.trace_id, slot.invoke, site)
-                whole = self.keys.whole_prompt(*ids, pattern, chunk.final)
-                if whole is None:
-                    continue
-                pattern = whole
-            slot.run.at_site(slot.invoke, slot.step, site, pattern)
-        for req_id, span, capture in captures:
-            kept = self.keys.of_capture(req_id)
-            first, last = span.first_position, span.prompt_len - 1
-            pattern = kept_pattern(kept, site, query, key, span.start, span.end, first, math)
-            if last < first + span.end - span.start:  # the last prompt token is in this step
-                row = pattern.row(last - first, capture.heads)
-                self.interventions.keep_row(site, capture.capture_id, last, row)
-                self.keys.drop_capture_site(req_id, site)
+        reading = self.traces.wanted.get(site, ())
+        keep_row = self.interventions.keep_row
+        read_patterns(self.keys, site, query, key, math, slots, reading, captures, keep_row)
 
     def on_raw(self, site: str, value: Any) -> None:
         """A raw module's native value, made whole under TP; each traced invoke gets its own
@@ -329,15 +254,6 @@ class WorkerRuntime:
 def request_payload(extra_args: dict[str, Any] | None) -> Any:
     """vinterp's payload in a request's sampling `extra_args` (None: a plain request)."""
     return (extra_args or {}).get(EXTRA_ARGS_KEY)
-
-
-def _last_position(modules: SiteModules, order: SiteOrder, is_last_stage: bool) -> int | None:
-    """The forward position of this pipeline stage's last site, from the layers it really
-    holds; None on the last (or only) stage: it sends nothing on."""
-    if is_last_stage:
-        return None
-    held = [i for i, layer in enumerate(modules.layers) if modules.holds_layer(layer)]
-    return order[f"layers.{held[-1]}.output"]
 
 
 def _token_rows(value: Any, start: int, end: int, num_tokens: int) -> Any:
