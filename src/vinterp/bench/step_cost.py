@@ -31,7 +31,7 @@ def _runtime(max_seqs: int) -> WorkerRuntime:
     stand_in = torch.nn.Identity()  # the sites' modules are never called here
     modules = SiteModules(stand_in, torch.nn.ModuleList(), stand_in, stand_in)
     parts = build_parts(torch.nn.Identity(), modules, order, steer, ParallelLayout(), None)
-    return WorkerRuntime(parts)
+    return WorkerRuntime.of(parts)
 
 
 def _decoding(runtime: WorkerRuntime, plain: int, steering: Steering | None) -> Callable[[], None]:

@@ -91,7 +91,7 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
         if counters is None
         else AppliedCheck(counters, held_site_ids(modules, order), order),
     )
-    runtime = WorkerRuntime(parts)
+    runtime = WorkerRuntime.of(parts)
     instrument(runner, runtime, calls)
     setattr(runner, RUNTIME_ATTR, runtime)
     setattr(runner, SITE_CALLS_ATTR, calls)

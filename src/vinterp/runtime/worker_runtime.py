@@ -17,6 +17,7 @@ the capture buffers); `end_step()` once the forward is queued.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -40,28 +41,21 @@ from vinterp.sites.names import parse_site
 from vinterp.wire.specs import EXTRA_ARGS_KEY
 
 
-class WorkerRuntime:
-    """Sequences each step across the parts (`worker_parts.build_parts` makes them)."""
+@dataclass(eq=False)
+class WorkerRuntime(WorkerParts):
+    """Sequences each step across its parts (`worker_parts.build_parts` makes them)."""
 
-    def __init__(self, parts: WorkerParts) -> None:
-        self.order = parts.order
-        self.check = parts.check
-        self.tp = parts.tp
-        self.saes = parts.saes
-        self.sharded = parts.sharded
-        self.pipeline = parts.pipeline
-        self.traces = parts.traces
-        self.keys = parts.keys
-        self.interventions = parts.interventions
-        self.steering = parts.steering
-        self.tracker = parts.tracker
-        self.router = parts.router
-        self.capture_buffers = parts.capture_buffers
-        self.captured_sites: frozenset[str] = frozenset()  # those this step's captures name
-        self.pattern_captures: dict[str, list[RequestCapture]] = {}
-        self.mode = StepMode()
-        self.num_tokens = 0
-        self.counts = {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
+    captured_sites: frozenset[str] = frozenset()  # those this step's captures name
+    pattern_captures: dict[str, list[RequestCapture]] = field(default_factory=dict)
+    mode: StepMode = field(default_factory=StepMode)
+    num_tokens: int = 0
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"steps": 0, "uncompiled_steps": 0, "graph_capture_steps": 0}
+    )
+
+    @classmethod
+    def of(cls, parts: WorkerParts) -> WorkerRuntime:
+        return cls(**{f.name: getattr(parts, f.name) for f in fields(WorkerParts)})
 
     # -- trace lifecycle (called through collective_rpc) -----------------------------------
     def begin(self, trace_id: str, wire: dict[str, Any]) -> str | None:
