@@ -26,7 +26,6 @@ class EngineConfig:
     step_tokens: int  # the most tokens one engine step computes
     step_sequences: int  # the most sequences one engine step computes
     prefix_caching: bool
-    tensor_parallel_size: int
     pipeline_parallel_size: int
     additional: Mapping[str, Any]  # vLLM's `additional_config` (vinterp's settings)
 
@@ -34,7 +33,6 @@ class EngineConfig:
 def engine_config(engine: Any) -> EngineConfig:
     config = getattr(engine, "llm_engine", engine).vllm_config
     model, scheduler = config.model_config, config.scheduler_config
-    parallel = config.parallel_config
     return EngineConfig(
         model.hf_config,
         str(model.served_model_name),
@@ -43,8 +41,7 @@ def engine_config(engine: Any) -> EngineConfig:
         int(scheduler.max_num_batched_tokens),
         int(scheduler.max_num_seqs),
         bool(config.cache_config.enable_prefix_caching),
-        int(parallel.tensor_parallel_size),
-        int(parallel.pipeline_parallel_size),
+        int(config.parallel_config.pipeline_parallel_size),
         config.additional_config or {},
     )
 
@@ -61,7 +58,6 @@ class RunnerConfig:
     step_tokens: int  # the most tokens one step computes
     padded_step_tokens: int  # ... and the most a CUDA graph is padded to
     step_sequences: int
-    additional: Mapping[str, Any]
 
 
 def runner_additional_config(runner: Any) -> Mapping[str, Any]:
@@ -82,7 +78,6 @@ def runner_config(runner: Any) -> RunnerConfig:
         step_tokens,
         max(step_tokens, config.compilation_config.max_cudagraph_capture_size or 0),
         int(scheduler.max_num_seqs),
-        config.additional_config or {},
     )
 
 

@@ -88,8 +88,8 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "vllm.config.parallel:ParallelConfig",
-        "read: the parallel sizes",
-        fields=("tensor_parallel_size", "pipeline_parallel_size"),
+        "read: the pipeline's stages",
+        fields=("pipeline_parallel_size",),
     ),
     Target("vllm.entrypoints.llm:LLM", "read: its engine", instance=("llm_engine",)),
     Target(
