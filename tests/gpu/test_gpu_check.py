@@ -40,8 +40,18 @@ ENGINES: dict[str, dict[str, Any]] = {
     "in_graph": {"capture_in_graph": True},
 }
 COMPARED = ("graphs", "in_graph")  # each against "eager"
-TOKENS = ("unsteered", "steered", "mixed", "named", "global", "cleared", "norm_match", "decode")
-STEERED = ("steered", "named", "global", "norm_match", "decode")
+TOKENS = (
+    "unsteered",
+    "steered",
+    "mixed",
+    "named",
+    "global",
+    "cleared",
+    "norm_match",
+    "decode",
+    "ablated",
+)
+STEERED = ("steered", "named", "global", "norm_match", "decode", "ablated")
 SAVES = ("h", "logits", "written_logits", "patched_logits", "lens_row", "lens_rows", "lens_batch")
 # in_graph's captures are computed inside the compiled graphs: compiled-vs-eager bf16 distance
 # (5.3e-2 every layer at last_prompt, bundled model, H200 2026-11-27), not the 2e-2 of values
@@ -73,8 +83,12 @@ def run_captures(llm: Any, gpu: Any, site: str) -> dict[str, list[dict[str, torc
     }
 
 
-def run_steering(llm: Any, gpu: Any, site: str, v: torch.Tensor) -> dict[str, Any]:
-    """Greedy 16-token ids of the 8 prompts, unsteered and steered every supported way."""
+def run_steering(
+    llm: Any, gpu: Any, site: str, v: torch.Tensor, mean: torch.Tensor
+) -> dict[str, Any]:
+    """Greedy 16-token ids of the 8 prompts, unsteered and steered every supported way; the
+    ablated run projects `mean` (the prompts' mean residual at the site, a direction the model
+    uses) out of the site."""
     st = vinterp.Steering({site: v}, scale=8.0)
 
     def gen(prompts: list[Any], **kwargs: Any) -> list[list[int]]:
@@ -97,6 +111,7 @@ def run_steering(llm: Any, gpu: Any, site: str, v: torch.Tensor) -> dict[str, An
     norm_match = vinterp.Steering({site: v}, scale=0.5, norm_match=True)
     tokens["norm_match"] = gen(prompts, steering=norm_match)
     tokens["decode"] = gen(prompts, steering=vinterp.Steering({site: v}, scale=8.0, phase="decode"))
+    tokens["ablated"] = gen(prompts, steering=vinterp.Steering({site: mean}, mode="ablate"))
     return {"tokens": tokens, "steered_steps": steps}
 
 
@@ -180,11 +195,12 @@ def workload(llm: Any, gpu: Any, norm: float | None) -> dict[str, Any]:
     mid = len(llm.layers) // 2
     site = f"layers.{mid}.output"
     result: dict[str, Any] = {"captures": run_captures(llm, gpu, site)}
+    residuals = torch.cat([c[site] for c in result["captures"][LAST]])
     if norm is None:
-        norm = float(torch.cat([c[site] for c in result["captures"][LAST]]).norm(dim=-1).mean())
+        norm = float(residuals.norm(dim=-1).mean())
     unit = torch.randn(int(llm.config.hidden_size), generator=torch.Generator().manual_seed(0))
     v = unit / unit.norm() * norm
-    result.update(norm=norm, **run_steering(llm, gpu, site, v))
+    result.update(norm=norm, **run_steering(llm, gpu, site, v, residuals.mean(0)))
     result["traces"] = run_traces(llm, gpu, mid, v)
     result["lens"] = run_lens(llm, gpu)
     result["timing_s"] = run_timings(llm, site, v)

@@ -31,6 +31,7 @@ TARGETS: dict[str, dict[str, float]] = {
     "cuda": {
         "idle": 1.02,
         "steer": 1.05,
+        "ablate": 1.05,  # issue 59: directional ablation costs what steering costs
         "capture_one": 1.1,
         "capture_layers_last": 1.5,
         "tp_idle": 1.02,
@@ -52,6 +53,7 @@ TARGETS: dict[str, dict[str, float]] = {
     "cpu": {  # issue 16's targets for this project's 2-core machine
         "idle": 1.02,
         "steer": 1.05,
+        "ablate": 1.05,
         "capture_one": 1.05,
         "capture_layers_last": 1.3,
         "tp_idle": 1.02,

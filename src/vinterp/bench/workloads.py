@@ -45,6 +45,7 @@ TENSOR_PARALLEL = {
 VINTERP_KEYS = (
     "idle",
     "steer",
+    "ablate",
     "capture_one",
     "capture_layers_last",
     "capture_layers_all",
@@ -245,6 +246,11 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
     return [
         ("idle", "vinterp engine, no intervention", {}),
         ("steer", f"steering {site}", {"steering": vinterp.Steering({site: vector}, scale=4.0)}),
+        (
+            "ablate",
+            f"ablating a direction at {site}",
+            {"steering": vinterp.Steering({site: vector}, mode="ablate")},
+        ),
         ("capture_one", f"capture {site} last_prompt", {"capture": vinterp.Capture(site)}),
         (
             "capture_layers_last",
