@@ -90,10 +90,16 @@ class HFInterventions:
         if request is None:
             return None
         positions = range(request.first_position, request.first_position + value.shape[0])
-        steered = _steered(request, site, value, positions)
-        features = _feature_delta(request, site, value, positions, self.saes)
-        if features is not None:
-            steered = (value if steered is None else steered) + features.to(value.dtype)
+        deltas = [
+            delta
+            for delta in (
+                _steering_delta(request, site, value, positions),
+                _feature_delta(request, site, value, positions, self.saes),
+            )
+            if delta is not None
+        ]
+        # the sum rounded once to the model's dtype, as the engine's site formula rounds it
+        steered = (value.float() + sum(deltas)).to(value.dtype) if deltas else None
         if site in request.capture_sites:
             assert request.capture_id is not None
             rows = self._captured[request.capture_id][site]
@@ -187,10 +193,10 @@ def _feature_delta(
     return delta
 
 
-def _steered(
+def _steering_delta(
     request: HFRequest, site: str, value: torch.Tensor, positions: range
 ) -> torch.Tensor | None:
-    """value + the sum of every applying spec's addend, computed in float32; a norm-matched
+    """The sum of every applying spec's addend, in float32; a norm-matched
     addend is scaled by the token's norm before any steering at this site, an ablation's is
     minus scale times the component of that value along its unit direction."""
     specs = [spec for spec in request.steering if site in spec.vectors]
@@ -210,4 +216,4 @@ def _steered(
                 addend = spec.scale * (norms[t] * unit if spec.norm_match else vector)
             delta = torch.zeros(value.shape, dtype=torch.float32) if delta is None else delta
             delta[t] += addend
-    return None if delta is None else value + delta.to(value.dtype)
+    return delta

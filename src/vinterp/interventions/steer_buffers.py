@@ -146,4 +146,7 @@ class SteerBuffers(nn.Module):
         hosts = self.features.hosts if compiled else self.steered_hosts  # type: ignore[union-attr]
         if t.features is not None and site_id in hosts:
             delta = delta + feature_delta(t.features, site, source, rows)
-        return x + delta.to(x.dtype)
+        # one rounding to the model's dtype, of the sum: an ablation's delta nearly cancels x,
+        # and rounding the delta first would leave its rounding error in the result (in bf16,
+        # eager steps then part from compiled ones, whose fused kernels round only the sum)
+        return (x.float() + delta).to(x.dtype)
