@@ -103,11 +103,16 @@ def engines() -> Iterator[EnginePool]:
 @pytest.fixture(scope="module")
 def in_process() -> Iterator[None]:
     """The module's engines in this process: no engine-core and worker processes to spawn
-    (a start of a tiny model takes seconds, and its memory is freed at shutdown). An in-process
-    engine freezes vLLM's environment (its envs cache), so it is thawed again for the engines
-    of later modules; vLLM's start also writes its settings into this process's environment
-    (thread binding, preloads, compile cache folders), so the whole environment is put back.
-    A module asks for it with `pytest.mark.usefixtures("in_process")`."""
+    (an engine start of the tiny model takes seconds instead of half a minute, and its memory
+    is freed at shutdown). Modules whose subject is the processes (shutdown, a killed engine
+    core, the server, the async engine), the bundled model's modules (the default a user
+    runs) and those that look at what the workers hold between steps (an engine core in this
+    process runs no step after the last request's) keep them. An in-process engine freezes
+    vLLM's environment (its envs cache), so it is thawed again for the engines of later
+    modules. vLLM's start also writes its settings into this process's environment (thread
+    binding, preloads, compile cache folders): the whole environment is put back afterwards,
+    so a server or engine process started by a later module sees none of it. A module asks
+    for it with `pytest.mark.usefixtures("in_process")`."""
     import vllm.envs
 
     saved = dict(os.environ)

@@ -75,6 +75,7 @@ DENSE = tuple(k for k in extraction.KEYS if k != extraction.EXTRACT_SAE)
 
 
 @pytest.mark.engine("bench_extraction")
+@pytest.mark.usefixtures("in_process")
 def test_extraction_rows_time_extract_and_hf_hooks_against_plain_prefill(
     engines, tiny_llama, tmp_path
 ) -> None:

@@ -10,6 +10,7 @@ from vinterp.bench.harness import target
 
 
 @pytest.mark.engine("bench_tensor_parallel")
+@pytest.mark.usefixtures("in_process")
 def test_tensor_parallel_rows_time_vinterp_and_plain_vllm_at_tp2(engines, tiny_llama) -> None:
     engines.release()  # the rows start their own engines, one at a time
     rows = engine_workloads.tensor_parallel_rows(

@@ -10,7 +10,7 @@ from long_prompt import LONG, close, long_trace, prompt_ids
 
 import vinterp
 
-pytestmark = pytest.mark.engine("tiny_chunked")
+pytestmark = [pytest.mark.engine("tiny_chunked"), pytest.mark.usefixtures("in_process")]
 
 SHORT = "Once upon a time"
 

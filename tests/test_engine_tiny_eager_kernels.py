@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 import vinterp
 
-pytestmark = pytest.mark.engine("tiny", releases=True)
+pytestmark = [pytest.mark.engine("tiny", releases=True), pytest.mark.usefixtures("in_process")]
 
 PROMPTS = ["The capital of France is", "Once upon a time there was a"]
 LAST_PROMPT = vinterp.Capture("layers.*.output", positions="last_prompt")

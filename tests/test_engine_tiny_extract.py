@@ -25,7 +25,7 @@ from vinterp.extraction.packing import windows
 from vinterp.extraction.request import engine_settings
 from vinterp.store import SpecMismatchError, StoreError, files
 
-pytestmark = pytest.mark.engine("tiny")
+pytestmark = [pytest.mark.engine("tiny"), pytest.mark.usefixtures("in_process")]
 
 PROMPTS = [
     "The capital of France is Paris.",

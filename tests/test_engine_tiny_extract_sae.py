@@ -23,7 +23,7 @@ from vinterp.bench.bench_sae import random_sae
 from vinterp.extraction.request import engine_settings
 from vinterp.store import SpecMismatchError
 
-pytestmark = pytest.mark.engine("tiny")
+pytestmark = [pytest.mark.engine("tiny"), pytest.mark.usefixtures("in_process")]
 
 HOST = "layers.1.output"
 FEATURES = f"{HOST}.sae.features"

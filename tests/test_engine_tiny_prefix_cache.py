@@ -7,7 +7,7 @@ import torch
 
 import vinterp
 
-pytestmark = pytest.mark.engine("tiny_prefix_cache")
+pytestmark = [pytest.mark.engine("tiny_prefix_cache"), pytest.mark.usefixtures("in_process")]
 
 PROMPT = " ".join(f"word{i}" for i in range(50))  # a few hundred tokens, several KV blocks
 

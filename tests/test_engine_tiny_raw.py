@@ -7,7 +7,7 @@ import torch
 
 import vinterp
 
-pytestmark = pytest.mark.engine("tiny")
+pytestmark = [pytest.mark.engine("tiny"), pytest.mark.usefixtures("in_process")]
 
 PROMPTS = ["The capital of France is", "Once upon a time there was"]
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import vinterp
 
-pytestmark = pytest.mark.engine("tiny", releases=True)
+pytestmark = [pytest.mark.engine("tiny", releases=True), pytest.mark.usefixtures("in_process")]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "Numbers 1 2 3"]
 SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}

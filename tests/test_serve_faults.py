@@ -237,7 +237,10 @@ def process_of(server: Server, marker: str) -> psutil.Process:
     for child in psutil.Process(server.pid).children(recursive=True):
         if marker in child.name() or marker in " ".join(child.cmdline()):
             return child
-    raise AssertionError(f"no {marker} process under the server")
+    names = [child.name() for child in psutil.Process(server.pid).children(recursive=True)]
+    # vLLM titles its processes, except with VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR set:
+    # its engine core and workers then run as "python" (vLLM 0.32 CPU)
+    raise AssertionError(f"no {marker} process under the server: {names}")
 
 
 @pytest.fixture(scope="module")
