@@ -20,11 +20,8 @@ def served(
 ) -> Iterator[Server]:
     """`vinterp serve --api-key KEY *flags`, stopped at the block's end. Without a CUDA GPU
     with `--enforce-eager`: the server's own compilation of the model takes ~9 minutes on two
-    cores; on a GPU compiled, with CUDA graphs, as researchers serve it. The engine core runs
-    in its own process, as `vinterp serve` runs it, whatever an earlier test's in-process
-    engine left in this process's environment."""
+    cores; on a GPU compiled, with CUDA graphs, as researchers serve it."""
     model = str(model or bundled())
     eager = [] if torch.cuda.device_count() else ["--enforce-eager"]
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
-    with running(False, model, KEY, [*eager, *flags], environment) as server:
+    with running(False, model, KEY, [*eager, *flags], env) as server:
         yield server

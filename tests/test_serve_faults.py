@@ -234,10 +234,11 @@ def test_a_trace_beyond_the_keys_running_traces_gets_a_429_at_once(server, clien
 
 def process_of(server: Server, marker: str) -> psutil.Process:
     """The server's child process whose name or command line holds `marker`."""
-    for child in psutil.Process(server.pid).children(recursive=True):
+    children = psutil.Process(server.pid).children(recursive=True)
+    for child in children:
         if marker in child.name() or marker in " ".join(child.cmdline()):
             return child
-    names = [child.name() for child in psutil.Process(server.pid).children(recursive=True)]
+    names = [child.name() for child in children]
     # vLLM titles its processes, except with VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR set:
     # its engine core and workers then run as "python" (vLLM 0.32 CPU)
     raise AssertionError(f"no {marker} process under the server: {names}")
