@@ -33,6 +33,13 @@ DISTINCT = [
 AFTER = vinterp.Capture(["layers.20.output"], positions="last_prompt")
 # the bundled model's induction heads (examples/induction_heads.py)
 PATTERNS = vinterp.Capture(["layers.17.attn.pattern", "layers.18.attn.pattern"], heads=[6, 3])
+# a probe, and a steering it gates (API.md section 5, "Probes")
+PROBE = vinterp.Probe(
+    "layers.8.output",
+    torch.randn(2, 576, generator=torch.Generator().manual_seed(8)) / 24,
+    name="p",
+)
+GATED = vinterp.Steering(STEERING.vectors, scale=8.0, when=vinterp.When(probe="p", above=0.0))
 STEP_TOKENS = 1024  # the server's max_num_batched_tokens
 BODY_MB = 1  # the server's --max-body-mb
 
@@ -83,6 +90,7 @@ def reference(engines) -> dict:
         **SAMPLING,
     )
     patterns = llm.generate(PROMPT, capture=PATTERNS, use_tqdm=False, **SAMPLING)
+    probed = llm.generate(PROMPT, probes=[PROBE], steering=GATED, use_tqdm=False, **SAMPLING)
     engines.release()  # one engine at a time on this machine
     return {
         "plain": plain.text,
@@ -91,6 +99,7 @@ def reference(engines) -> dict:
         "patterns": patterns[0].captures,
         "traces": traced,
         "distinct": distinct,
+        "probed": probed[0],
     }
 
 
@@ -135,6 +144,19 @@ def test_attention_pattern_captures_come_back_like_llms(server, reference) -> No
         assert rel_err(captures[site], value) < 1e-5, site
 
 
+def test_probes_and_gated_steering_come_back_like_llms(server, reference) -> None:
+    field = {"steering": GATED.to_json(), "probes": [PROBE.to_json()]}
+    r = complete(server, extra_body={"vinterp": field})
+    want = reference["probed"]
+    assert r.choices[0].text == want.text
+    scores = vinterp.captures_from_json(r.model_extra["vinterp"]["probes"])
+    assert scores["p"].shape == want.probes["p"].shape == (len(want.prompt_token_ids) + 7, 2)
+    assert rel_err(scores["p"], want.probes["p"]) < 1e-5
+    with vinterp.Client(server, api_key=KEY) as client:
+        (out,) = client.generate(PROMPT, probes=[PROBE], steering=GATED, **SAMPLING)
+    assert out.text == want.text and rel_err(out.probes["p"], want.probes["p"]) < 1e-5
+
+
 @pytest.mark.parametrize("forged", [{"trace": ["0" * 32, 0]}, "{}"])
 def test_vinterps_own_extra_args_cannot_be_sent_raw(server, reference, forged) -> None:
     """The workers trust this extra arg (vinterp writes it after its checks): a client's
@@ -171,6 +193,14 @@ def test_keys_are_required_except_for_health(server) -> None:
         (
             {"capture": {"sites": ["layers.1.output"], "sink": "filesystem", "path": "/etc"}},
             "memory",
+        ),
+        ({"probes": [vinterp.Probe("layers.1.output", torch.ones(3)).to_json()]}, "hidden size"),
+        (
+            {
+                "steering": GATED.to_json(),
+                "probes": [vinterp.Probe("layers.12.output", torch.ones(576), name="p").to_json()],
+            },
+            "at or before",
         ),
         ({"bogus": 1}, "expected"),
         ("not an object", "expected"),

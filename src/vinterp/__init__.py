@@ -17,7 +17,8 @@ from vinterp.extraction.launch import extract
 from vinterp.extraction.packing import Packed
 from vinterp.sae import SAE
 from vinterp.wire.json_form import captures_from_json
-from vinterp.wire.specs import Capture, Steering
+from vinterp.wire.probes import Probe
+from vinterp.wire.specs import Capture, Steering, When
 
 __all__ = [
     "AsyncClient",
@@ -30,6 +31,8 @@ __all__ = [
     "SAE",
     "Steering",
     "Packed",
+    "Probe",
+    "When",
     "InterventionError",
     "OutOfOrderError",
     "Output",

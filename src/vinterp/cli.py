@@ -216,7 +216,9 @@ def _serve(args: argparse.Namespace) -> None:
     to_environment(ServeLimits(**{k: v for k, v in given.items() if v is not None}))
 
     model, rest = launch.split_model(args.rest)
-    launch.serve(model, args.host, args.port, args.api_key, rest, args.capture_in_graph)
+    launch.serve(
+        model, args.host, args.port, args.api_key, rest, args.capture_in_graph, args.probe_sites
+    )
 
 
 def _extract(args: argparse.Namespace) -> None:
@@ -484,6 +486,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SITES",
         help="capture inside the compiled model, at every site or at the comma-separated SITES "
         "(as vinterp.LLM(capture_in_graph=True or [sites]))",
+    )
+    serve.add_argument(
+        "--probe-sites",
+        default=None,
+        type=lambda text: [s for s in text.split(",") if s],
+        metavar="SITES",
+        help="score probes at the comma-separated SITES inside the compiled model, gates "
+        "compiled at every site (as vinterp.LLM(probe_sites=[sites]))",
     )
     defaults = ServeLimits()
     for flag, field, what in (

@@ -19,6 +19,7 @@ from vinterp.api.steering_control import AsyncSteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.outputs import Output
 from vinterp.sae import SAE
+from vinterp.wire.probes import Probe
 from vinterp.wire.specs import Capture, Steering
 
 
@@ -63,11 +64,12 @@ class AsyncLLM(LocalModel):
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
         use_tqdm: bool = False,
+        probes: list[Probe] | None = None,
         **sampling: Any,
     ) -> list[Output]:
         """As `LLM.generate`, awaited; every prompt in flight at once. No progress bar unless
         `use_tqdm=True` (many generations at once would draw over each other)."""
-        return await agenerate(self, prompts, steering, capture, sampling, use_tqdm)
+        return await agenerate(self, prompts, steering, capture, sampling, use_tqdm, probes)
 
     async def attach_sae(self, site: str, sae: SAE) -> None:
         """As `LLM.attach_sae`, awaited."""
@@ -80,18 +82,20 @@ class AsyncLLM(LocalModel):
         prompt: Prompt | Request,
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
+        probes: list[Probe] | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Output]:
         """One prompt's output as it grows (token ids and text so far); the last one is the
-        final output and carries the captures. Leaving the loop early aborts the request."""
+        final output and carries the captures and probe scores. Leaving the loop early aborts
+        the request."""
         names = await self.backend.steering_names()
-        requests = prepare(self, prompt, steering, capture, sampling, names)
+        requests = prepare(self, prompt, steering, capture, sampling, names, probes)
         if len(requests) != 1:
             raise ValueError(f"stream takes one prompt, got {len(requests)}; use generate")
         (req,) = requests
         stream = self.backend.stream(req.prompt, req.sampling, req.specs())
         async for out, finished in stream:
-            if finished and req.capture is not None:
+            if finished and req.capture_id:
                 rows = await self.backend.take_captures([req.capture_id])
                 deliver_all([req], [out], rows, self.model_name)
             yield out

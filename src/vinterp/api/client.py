@@ -19,6 +19,7 @@ from vinterp.api.requests import Request, agenerate, generate
 from vinterp.api.steering_control import AsyncSteeringControl, SteeringControl
 from vinterp.api.trace import Prompt
 from vinterp.engine.outputs import Output
+from vinterp.wire.probes import Probe
 from vinterp.wire.specs import Capture, Steering
 
 
@@ -64,11 +65,13 @@ class Client(RemoteModel):
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
         use_tqdm: bool = True,
+        probes: list[Probe] | None = None,
         **sampling: Any,
     ) -> list[Output]:
-        """As `LLM.generate`; captures come back in memory (`out.captures`)."""
+        """As `LLM.generate`; captures and probe scores come back in memory (`out.captures`,
+        `out.probes`)."""
         _memory_only(capture, prompts)
-        return generate(self, prompts, steering, capture, sampling, use_tqdm)
+        return generate(self, prompts, steering, capture, sampling, use_tqdm, probes)
 
     def attach_sae(self, site: str, sae: Any) -> None:
         """Not over HTTP yet: a server takes no SAE from its clients."""
@@ -107,11 +110,14 @@ class AsyncClient(RemoteModel):
         prompts: Prompt | Request | list[Prompt | Request],
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
+        probes: list[Probe] | None = None,
         **sampling: Any,
     ) -> list[Output]:
         """As `Client.generate`, awaited; up to 16 completions in flight at once."""
         _memory_only(capture, prompts)
-        return await agenerate(self, prompts, steering, capture, sampling, use_tqdm=False)
+        return await agenerate(
+            self, prompts, steering, capture, sampling, use_tqdm=False, probes=probes
+        )
 
     async def step_stats(self) -> dict[str, int]:
         return await self.backend.step_stats()

@@ -24,7 +24,9 @@ from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.wire.graph import to_wire
 from vinterp.wire.json_form import captures_from_json, payload_to_json, saved_from_json
-from vinterp.wire.specs import RequestSpecs, Steering, selects
+from vinterp.wire.probes import probe_store_name
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Steering, selects
 
 SITES = "/v1/vinterp/sites"
 TRACE = "/v1/vinterp/trace"
@@ -85,6 +87,8 @@ def completion_call(
         field["steering"] = [s.to_json() for s in specs.steering] + specs.steering_names
     if specs is not None and specs.capture is not None:
         field["capture"] = specs.capture.to_json()
+    if specs is not None and specs.probes:
+        field["probes"] = [p.to_json() for p in specs.probes]
     if field:
         body["vinterp"] = field
     return "POST", COMPLETIONS, body, {}
@@ -99,15 +103,25 @@ class CompletionRows:
     def output(self, prompt: list[int], specs: RequestSpecs | None, data: dict[str, Any]) -> Output:
         choice = data["choices"][0]
         out = Output(prompt, list(choice.get("token_ids") or []), choice["text"])
-        if specs is not None and specs.capture is not None:
+        if specs is None or not specs.capture_id:
+            return out
+        # the rows the server checked complete: the selected positions the model read
+        read_upto = len(prompt) + max(len(out.token_ids) - 1, 0)
+        kept = self.kept[specs.capture_id] = {}
+        if specs.capture is not None:
             tensors = captures_from_json(data["vinterp"]["captures"])
-            # the rows the server checked complete: the selected positions the model read
-            read_upto = len(prompt) + max(len(out.token_ids) - 1, 0)
             selector = specs.capture.positions
             positions = [p for p in range(read_upto) if selects(selector, p, len(prompt))]
-            self.kept[specs.capture_id] = {
-                site: {"positions": positions[: len(t)], "values": t} for site, t in tensors.items()
-            }
+            kept.update(
+                {
+                    site: {"positions": positions[: len(t)], "values": t}
+                    for site, t in tensors.items()
+                }
+            )
+        if specs.probes:
+            scores = captures_from_json(data["vinterp"]["probes"])
+            for name, t in scores.items():
+                kept[probe_store_name(name)] = {"positions": list(range(len(t))), "values": t}
         return out
 
     def take(self, capture_ids: list[str]) -> Captured:

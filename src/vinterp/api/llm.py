@@ -19,6 +19,7 @@ from vinterp.extraction.stream import Extraction
 from vinterp.models.dtype import checkpoint_dtype
 from vinterp.sae import SAE
 from vinterp.sites.modules import check_site_paths
+from vinterp.wire.probes import Probe
 from vinterp.wire.specs import Capture, Steering
 
 BACKENDS = ("vllm", "hf")
@@ -123,6 +124,9 @@ class LLM(LocalModel):
     `sae_steering_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
     feature steering stays in the compiled graph, with tables of `sae_steering_features`
     (default 32) features per host (API.md section 5, "Sparse autoencoders").
+    `probe_sites` (a site, a glob or a list; default none) names the sites whose probes are
+    scored in the compiled graph, and compiles the gates of `Steering(when=...)` into every
+    site (API.md section 5, "Probes").
 
     Both backends: `num_layers=N` builds and loads only layers 0..N-1 (what an extraction
     that stops at layer N-1 needs; `llm.config.num_hidden_layers` is then N, and the logits
@@ -162,13 +166,15 @@ class LLM(LocalModel):
         steering: Steering | str | list[Steering | str] | None = None,
         capture: Capture | None = None,
         use_tqdm: bool = True,
+        probes: list[Probe] | None = None,
         **sampling: Any,
     ) -> list[Output]:
-        """Complete each prompt, optionally steered and captured (API.md section 5).
+        """Complete each prompt, optionally steered, captured and probed (API.md section 5;
+        `out.probes[name]`: a probe's scores at every token read).
 
         Sampling options are vLLM's (greedy, 16 tokens by default). Specs are checked against
         the model before anything is queued. A progress bar shows unless `use_tqdm=False`."""
-        return generate(self, prompts, steering, capture, sampling, use_tqdm)
+        return generate(self, prompts, steering, capture, sampling, use_tqdm, probes)
 
     def attach_sae(self, site: str, sae: SAE) -> None:
         """Attach a sparse autoencoder at `site` (e.g. "layers.10.output"; one per site, a

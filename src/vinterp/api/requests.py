@@ -24,11 +24,18 @@ from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sae import SAE
 from vinterp.sae.steering import feature_steering_misfit
 from vinterp.sites.modules import site_order
-from vinterp.sites.names import is_pattern
+from vinterp.sites.names import SiteOrder, is_pattern
 from vinterp.store.files import write_atomic
+from vinterp.wire.probes import (
+    Probe,
+    gating_misfit,
+    probe_misfit,
+    probe_store_name,
+    shared_gate_misfit,
+)
+from vinterp.wire.request_specs import RequestSpecs
 from vinterp.wire.specs import (
     Capture,
-    RequestSpecs,
     Steering,
     capture_sites,
     selected_count,
@@ -40,13 +47,14 @@ log = logging.getLogger("vinterp.capture")
 
 
 class Request(BaseModel):
-    """One prompt with its own steering, capture and sampling settings."""
+    """One prompt with its own steering, capture, probes and sampling settings."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
 
     prompt: str | list[int]
     steering: Steering | str | list[Steering | str] | None = None
     capture: Capture | None = None
+    probes: list[Probe] | None = None
 
     def __init__(self, prompt: str | list[int], **kwargs: Any) -> None:
         super().__init__(prompt=prompt, **kwargs)
@@ -66,25 +74,53 @@ class Prepared:
     steering_names: list[str] = field(default_factory=list)
     capture: Capture | None = None
     capture_sites: list[str] = field(default_factory=list)
-    capture_id: str = ""
+    capture_id: str = ""  # its captured rows and probe scores are taken by this id
+    probes: list[Probe] = field(default_factory=list)
 
     def specs(self) -> RequestSpecs | None:
         """What the backend sends to the workers (None: nothing beyond global steering)."""
-        if not (self.steering or self.steering_names or self.capture):
+        if not (self.steering or self.steering_names or self.capture or self.probes):
             return None
         return RequestSpecs(
-            list(self.steering), list(self.steering_names), self.capture, self.capture_id
+            list(self.steering),
+            list(self.steering_names),
+            self.capture,
+            self.capture_id,
+            probes=list(self.probes),
         )
 
 
 def check_steering(
-    steering: Steering, config: Any, saes: dict[str, SAE], field_name: str = "steering"
+    steering: Steering,
+    config: Any,
+    saes: dict[str, SAE],
+    field_name: str = "steering",
+    shared: bool = False,
 ) -> None:
     """Layer range and vector size against the model's HF config, features against the SAEs
-    attached; ValueError naming the field."""
+    attached, and (`shared`: a global or named steering) no gate; ValueError naming the
+    field."""
     misfit = steering_misfit(
         steering, int(config.num_hidden_layers), int(config.hidden_size), field_name
     ) or feature_steering_misfit(steering, saes, field_name)
+    if shared:
+        misfit = misfit or shared_gate_misfit(steering)
+    if misfit is not None:
+        raise ValueError(misfit)
+
+
+def check_probes(
+    probes: list[Probe], steering: list[Steering], config: Any, order: SiteOrder
+) -> None:
+    """A request's probes against the model, and the gates of its steerings; ValueError
+    naming the field."""
+    for probe in probes:
+        if not isinstance(probe, Probe):
+            raise TypeError(f"probes: expected vinterp.Probe items, got {type(probe).__name__}")
+        misfit = probe_misfit(probe, int(config.num_hidden_layers), int(config.hidden_size))
+        if misfit is not None:
+            raise ValueError(misfit)
+    misfit = gating_misfit(probes, steering, order)
     if misfit is not None:
         raise ValueError(misfit)
 
@@ -102,6 +138,7 @@ def prepare(
     capture: Capture | None,
     sampling: dict[str, Any],
     names: set[str] | None = None,
+    probes: list[Probe] | None = None,
 ) -> list[Prepared]:
     """Normalize prompts (strings, token ids, Request items) and check every spec. `names`:
     the registered steering names, when the caller has them (else asked when needed)."""
@@ -139,6 +176,10 @@ def prepare(
             req.capture_sites = capture_sites(cap, order)  # ValueError naming the field
             check_sae_capture(llm.saes, cap, req.capture_sites)
             req.capture, req.capture_id = cap, uuid.uuid4().hex
+        req.probes = list(request.probes if request.probes is not None else probes or [])
+        check_probes(req.probes, req.steering, llm.config, order)
+        if req.probes and not req.capture_id:
+            req.capture_id = uuid.uuid4().hex
         prepared.append(req)
     return prepared
 
@@ -180,18 +221,44 @@ def captured_tensors(
 
 
 def capture_ids(requests: list[Prepared]) -> list[str]:
-    """The capture ids of the requests that capture (their rows are taken by these)."""
-    return [r.capture_id for r in requests if r.capture is not None]
+    """The capture ids of the requests that capture or probe (their rows are taken by these)."""
+    return [r.capture_id for r in requests if r.capture_id]
+
+
+def probe_scores(
+    rows: dict[str, Any], prompt_len: int, generated: int, probes: list[Probe]
+) -> dict[str, torch.Tensor]:
+    """Per probe, (tokens read, outputs) scores in position order; missing ones are an
+    InterventionError (DESIGN.md lesson 11)."""
+    read_upto = prompt_len + max(generated - 1, 0)
+    scores = {}
+    for probe in probes:
+        data = rows.get(probe_store_name(probe.name), _NOTHING_CAPTURED)
+        kept = bisect_left(data["positions"], read_upto)
+        if list(data["positions"][:kept]) != list(range(read_upto)):
+            raise InterventionError(
+                f"probe {probe.name!r}: scores for {kept} of the {read_upto} tokens read came "
+                f"back from the engine (a prompt of {prompt_len} tokens, {generated} generated); "
+                "the probe was not applied"
+            )
+        scores[probe.name] = data["values"][:kept]
+    return scores
 
 
 def deliver_all(
     requests: list[Prepared], outputs: list[Output], rows: dict[str, Any], model: str
 ) -> None:
-    """Every capturing request's rows (taken from the workers by capture id) to its sink. A
-    request whose file cannot be written does not stop the others'; CaptureWriteError then
-    says which failed, and carries every output."""
+    """Every probing request's scores to its output, and every capturing request's rows
+    (taken from the workers by capture id) to its sink. A request whose file cannot be
+    written does not stop the others'; CaptureWriteError then says which failed, and carries
+    every output."""
     failed: list[tuple[int, OSError]] = []
     for k, req in enumerate(requests):
+        if req.probes:
+            found = rows.get(req.capture_id, {})
+            outputs[k].probes = probe_scores(
+                found, len(req.prompt), len(outputs[k].token_ids), req.probes
+            )
         if req.capture is not None:
             try:
                 deliver(req, outputs[k], rows.get(req.capture_id, {}), k, model)
@@ -242,9 +309,10 @@ def generate(
     capture: Capture | None,
     sampling: dict[str, Any],
     use_tqdm: bool,
+    probes: list[Probe] | None = None,
 ) -> list[Output]:
     """Check, run on the model's backend, and deliver every capture to its sink."""
-    requests = prepare(model, prompts, steering, capture, sampling)
+    requests = prepare(model, prompts, steering, capture, sampling, probes=probes)
     outputs = model.backend.generate(
         [r.prompt for r in requests],
         [r.sampling for r in requests],
@@ -264,10 +332,11 @@ async def agenerate(
     capture: Capture | None,
     sampling: dict[str, Any],
     use_tqdm: bool,
+    probes: list[Probe] | None = None,
 ) -> list[Output]:
     """As `generate`, on an async backend."""
     names = await model.backend.steering_names()
-    requests = prepare(model, prompts, steering, capture, sampling, names)
+    requests = prepare(model, prompts, steering, capture, sampling, names, probes)
     outputs = await model.backend.generate(
         [r.prompt for r in requests],
         [r.sampling for r in requests],

@@ -19,7 +19,7 @@ class SteeringRegistry:
     def _checked(self, steering: Steering | list[Steering], where: str) -> list[Steering]:
         specs = steering if isinstance(steering, list) else [steering]
         for spec in specs:
-            check_steering(spec, self._model.config, self._model.saes, where)
+            check_steering(spec, self._model.config, self._model.saes, where, shared=True)
         return list(specs)
 
 

@@ -46,6 +46,8 @@ TARGETS: dict[str, dict[str, float]] = {
         "extract_sae_topk": 1.15,
         "extract_mid_depth": 0.60,  # issue 59: half the layers, against the whole prefill
         "sae_clamp": 1.10,
+        "probe": 1.10,  # issue 59: a probe's scores at every token, on an engine with probe_sites
+        "probe_gated": 1.10,  # and a steering that probe gates
         "sae_capture_topk": 1.5,
         "extract_pipeline": 1.05,
         **dict.fromkeys(("capture_qk", "capture_pattern", "capture_router"), REFERENCE),
@@ -68,6 +70,8 @@ TARGETS: dict[str, dict[str, float]] = {
         "extract_sae_topk": 1.3,  # as extract_layers_all on this machine
         "extract_mid_depth": 0.60,
         "sae_clamp": 1.10,  # as on a GPU
+        "probe": 1.10,
+        "probe_gated": 1.10,
         "extract_pipeline": 1.05,
         **dict.fromkeys(
             ("capture_qk", "capture_pattern", "capture_router", "sae_capture_topk"), REFERENCE

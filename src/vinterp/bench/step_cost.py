@@ -18,7 +18,8 @@ from vinterp.runtime.worker_parts import build_parts
 from vinterp.runtime.worker_runtime import WorkerRuntime
 from vinterp.sites.modules import SiteModules
 from vinterp.sites.names import SiteOrder
-from vinterp.wire.specs import Capture, RequestSpecs, Steering
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Capture, Steering
 
 KEY = "step_cost"
 LAYERS, HIDDEN, CAPTURING, STEPS = 4, 64, 8, 200

@@ -54,7 +54,11 @@ VINTERP_KEYS = (
     "capture_router",
     "sae_capture_topk",
     "sae_clamp",
+    "probe",
+    "probe_gated",
 )
+# rows on an engine of their own, started with `probe_sites` (the probe's site)
+PROBE_KEYS = ("probe", "probe_gated")
 SAE_CAPTURE = "sae_capture_topk"  # its engine gets the bench's SAE (bench_sae)
 # every request clamps features of the bench's SAE (its engine's steering tables hold them)
 SAE_CLAMP = "sae_clamp"
@@ -265,6 +269,29 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
         *(per_head if heads_of(llm.config) is not None else []),
         *(router if router_of(llm.config) is not None else []),
         *sae_workloads(llm),
+        *probe_workloads(llm, vector),
+    ]
+
+
+def probe_workloads(llm: Any, vector: torch.Tensor) -> list[tuple[str, str, dict[str, Any]]]:
+    """A probe of one output at the steering rows' site, scored at every token of every
+    request; and the steering row's vector added one layer later only where that probe's
+    score is above 0 (about half the tokens)."""
+    import vinterp
+
+    site = host_site(llm.config)
+    later = f"layers.{int(llm.config.num_hidden_layers) // 3 + 1}.output"
+    probe = vinterp.Probe(site, vector / vector.norm(), name="bench")
+    gated = vinterp.Steering(
+        {later: vector}, scale=4.0, when=vinterp.When(probe="bench", above=0.0)
+    )
+    return [
+        ("probe", f"probe at {site}, scores at every token", {"probes": [probe]}),
+        (
+            "probe_gated",
+            f"steering {later} where the probe at {site} is above 0",
+            {"probes": [probe], "steering": gated},
+        ),
     ]
 
 
@@ -422,17 +449,20 @@ def one_worker_rows(
     **engine_kwargs: Any,
 ) -> list[Row]:
     """Plain vLLM (and, on a GPU, plain vLLM with enforce_eager), then the selected vinterp
-    rows on one engine per `capture_in_graph` value, all against plain vLLM's times."""
+    rows on one engine per `capture_in_graph` value, the probe rows on an engine with
+    `probe_sites`, all against plain vLLM's times."""
     vinterp_keys = selected & {*VINTERP_KEYS, trace_invokes.KEY}
     eager = EAGER in selected and device_kind() == "cuda"
     if EAGER in selected and not eager:
         print("plain vLLM enforce_eager=True: skipped (no CUDA GPU: on CPU eager = compiled path)")
     if not (eager or vinterp_keys):
         return []
-    routes = capture_in_graph if vinterp_keys else ()
+    probe_keys = selected & set(PROBE_KEYS)  # on an engine of their own, with probe_sites
+    routes = capture_in_graph if vinterp_keys - probe_keys else ()
     timed_plain = eager or bool(selected & set(VINTERP_KEYS))  # the trace row times its own
     if together and device_kind() == "cuda":
-        engine_kwargs = gpu_share(timed_plain + eager + len(routes), engine_kwargs)
+        engines_alive = timed_plain + eager + len(routes) + bool(probe_keys)
+        engine_kwargs = gpu_share(engines_alive, engine_kwargs)
     size = f" ({len(texts)}x{max_tokens})"
     plain = "plain vLLM" + size
     engines: list[Engine] = []
@@ -449,14 +479,20 @@ def one_worker_rows(
         engine_kwargs = {**engine_kwargs, "sae_steering_hosts": host_site(config)}
     with saved_sae(int(config.hidden_size)) if with_sae else nullcontext() as sae:
         saes = {host_site(config): sae} if sae is not None else None
+        plain_keys = selected - probe_keys
         for in_graph in routes:
             start = partial(
                 vinterp_engine, model, dtype, saes, capture_in_graph=in_graph, **engine_kwargs
             )
             suffix = IN_GRAPH if in_graph else ""
             engines.append(
-                vinterp_bench_engine(start, texts, max_tokens, selected, invokes, repeats, suffix)
+                vinterp_bench_engine(start, texts, max_tokens, plain_keys, invokes, repeats, suffix)
             )
+        if probe_keys:  # probe_sites adds the gate's ops at every site: not for the other rows
+            start = partial(
+                vinterp_engine, model, dtype, probe_sites=host_site(config), **engine_kwargs
+            )
+            engines.append(vinterp_bench_engine(start, texts, max_tokens, probe_keys, 0, repeats))
         workloads, timings, extra = time_engines(engines, repeats, together)
     return compare(plain, workloads, timings, len(texts) * max_tokens) + extra
 

@@ -38,7 +38,8 @@ from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import TraceResult
 from vinterp.sae import SAE
 from vinterp.wire.graph import to_wire
-from vinterp.wire.specs import RequestSpecs, Steering
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Steering
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from vinterp.ir.graph import Graph
 from vinterp.ir.plan import Plan
 from vinterp.runtime.executor import TraceResult
 from vinterp.sae import SAE
-from vinterp.wire.specs import RequestSpecs, Steering
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Steering
 
 Captured = dict[str, dict[str, dict[str, Any]]]  # capture id -> site -> positions, values
 StreamRequest = tuple[list[int], dict[str, Any], RequestSpecs | None]  # ids, sampling, specs

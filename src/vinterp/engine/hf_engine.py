@@ -24,7 +24,8 @@ from vinterp.sites.hf_hooks import install_hf_hooks
 from vinterp.sites.modules import find_site_modules, site_order, unhooked
 from vinterp.sites.params import hf_param
 from vinterp.sites.raw import install_raw_hooks, raw_sites_of
-from vinterp.wire.specs import RequestSpecs, Steering
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Steering
 
 SUPPORTED_SAMPLING = {"temperature", "max_tokens", "seed", "ignore_eos", "stop_token_ids"}
 

@@ -18,7 +18,9 @@ import torch
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.sites.attention_pattern import Pattern
 from vinterp.sites.names import SiteOrder, sae_site
-from vinterp.wire.specs import RequestSpecs, Steering
+from vinterp.wire.probes import Probe, probe_store_name
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Steering
 
 
 def steers(spec: Steering, position: int, prompt_len: int) -> bool:
@@ -53,6 +55,8 @@ class HFRequest:
     capture_heads: list[int] | None = None  # of the attention patterns it captures
     capture_topk: int | None = None  # of the SAE feature sites it captures
     first_position: int = 0  # of the tokens the current forward step computes
+    probes: list[Probe] = field(default_factory=list)
+    scores: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (probe, position)
 
 
 @dataclass
@@ -72,6 +76,8 @@ class HFInterventions:
         specs = specs or RequestSpecs()
         named = [self.named[n] for n in specs.steering_names if n in self.named]
         request = HFRequest([*self.global_steering, *named, *specs.steering], prompt_len)
+        if specs.probes:
+            request.capture_id, request.probes = specs.capture_id, list(specs.probes)
         if specs.capture is not None:
             request.capture_id = specs.capture_id
             request.capture_sites = frozenset(
@@ -90,6 +96,7 @@ class HFInterventions:
         if request is None:
             return None
         positions = range(request.first_position, request.first_position + value.shape[0])
+        self._score(request, site, value, positions)
         deltas = [
             delta
             for delta in (
@@ -112,6 +119,18 @@ class HFInterventions:
             if parsed is not None and parsed.host == site and parsed.host in self.saes.saes:
                 self._capture_sae(request, sae_at, value if steered is None else steered, positions)
         return steered
+
+    def _score(self, request: HFRequest, site: str, value: torch.Tensor, positions: range) -> None:
+        """The scores of the request's probes at `site`, from its value before steering: kept
+        for its output and for the gates at this and later sites."""
+        for probe in request.probes:
+            if probe.site != site:
+                continue
+            scores = probe.scores(value)
+            rows = self._captured[request.capture_id][probe_store_name(probe.name)]  # type: ignore[index]
+            for t, position in enumerate(positions):
+                rows[position] = scores[t].detach().clone()
+                request.scores[probe.name, position] = scores[t]
 
     def _capture_sae(
         self, request: HFRequest, site: str, seen: torch.Tensor, positions: range
@@ -198,7 +217,8 @@ def _steering_delta(
 ) -> torch.Tensor | None:
     """The sum of every applying spec's addend, in float32; a norm-matched
     addend is scaled by the token's norm before any steering at this site, an ablation's is
-    minus scale times the component of that value along its unit direction."""
+    minus scale times the component of that value along its unit direction. A gated spec
+    applies where its probe's score at the token passes `when`."""
     specs = [spec for spec in request.steering if site in spec.vectors]
     if not specs:  # most sites of most steps: nothing to compute
         return None
@@ -210,6 +230,11 @@ def _steering_delta(
         for t, position in enumerate(positions):
             if not steers(spec, position, request.prompt_len):
                 continue
+            when = spec.when
+            if when is not None:
+                score = request.scores[when.probe, position][when.output]
+                if not bool(when.passes(score)):
+                    continue
             if spec.mode == "ablate":
                 addend = -spec.scale * torch.dot(value[t].float(), unit) * unit
             else:

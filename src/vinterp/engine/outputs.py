@@ -10,13 +10,15 @@ import torch
 
 @dataclass
 class Output:
-    """One prompt's result: the completion text and token ids (plus later captures)."""
+    """One prompt's result: the completion text and token ids (plus later captures and
+    probe scores: `probes[name]`, (tokens read, outputs) float32)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
     capture_file: str | None = None
+    probes: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def output_to_json(out: Output) -> dict[str, Any]:

@@ -22,11 +22,12 @@ from vinterp.interventions.feature_buffers import (
     sae_steering_host_ids,
     sae_steering_hosts_setting,
 )
+from vinterp.interventions.probe_buffers import probe_site_ids, probe_sites_setting
 from vinterp.sites.modules import site_order
 
 # Part of vLLM's compile-cache key: a model compiled without vinterp's site ops (or with an
 # older layout of them) is never reused for an engine that needs them.
-SITES_LAYOUT_VERSION = 13
+SITES_LAYOUT_VERSION = 14
 
 # VINTERP_CHECK_APPLIED=1: every engine started without `check_applied` checks (the tests)
 CHECK_APPLIED_ENV = "VINTERP_CHECK_APPLIED"
@@ -41,6 +42,7 @@ _KEYS = {
     "sae_steering_hosts": "vinterp_sae_steering_hosts",
     "sae_steering_features": "vinterp_sae_steering_features",
     "num_layers": "vinterp_num_layers",
+    "probe_sites": "vinterp_probe_sites",
 }
 
 # The keywords of `vinterp.LLM` that only a compiled model has (the HF backend drops them)
@@ -50,6 +52,7 @@ GRAPH_KEYWORDS = (
     "check_applied",
     "sae_steering_hosts",
     "sae_steering_features",
+    "probe_sites",
 )
 
 
@@ -66,6 +69,7 @@ class EngineSettings:
     sae_steering_hosts: tuple[str, ...] = ()
     sae_steering_features: int = SAE_STEERING_FEATURES
     num_layers: int | None = None
+    probe_sites: tuple[str, ...] = ()
 
     @classmethod
     def from_keywords(
@@ -92,11 +96,13 @@ class EngineSettings:
                 engine_kwargs.pop("sae_steering_features", SAE_STEERING_FEATURES)
             ),
             engine_kwargs.pop("num_layers", None),
+            tuple(probe_sites_setting(engine_kwargs.pop("probe_sites", None))),
         )
         if config is not None:
             order = site_order(config)
             buffer_site_ids(settings.capture_setting, order)
             sae_steering_host_ids(list(hosts), order)
+            probe_site_ids(list(settings.probe_sites), order)
         return settings
 
     @property
@@ -116,6 +122,7 @@ class EngineSettings:
             "sae_steering_hosts": list(self.sae_steering_hosts),
             "sae_steering_features": self.sae_steering_features,
             "num_layers": self.num_layers,
+            "probe_sites": list(self.probe_sites),
         }
         return {_LAYOUT: SITES_LAYOUT_VERSION, **{_KEYS[k]: v for k, v in values.items()}}
 
@@ -136,6 +143,7 @@ class EngineSettings:
             tuple(values.get("sae_steering_hosts") or ()),
             values.get("sae_steering_features", SAE_STEERING_FEATURES),
             values.get("num_layers"),
+            tuple(values.get("probe_sites") or ()),
         )
 
 

@@ -33,8 +33,9 @@ from vinterp.ir.plan import Plan, PlanError
 from vinterp.runtime.executor import Failure, TraceResult
 from vinterp.sae import SAE
 from vinterp.wire.graph import to_wire
+from vinterp.wire.request_specs import RequestSpecs
 from vinterp.wire.saved_values import decode_saved
-from vinterp.wire.specs import EXTRA_ARGS_KEY, RequestSpecs, Steering
+from vinterp.wire.specs import EXTRA_ARGS_KEY, Steering
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from vinterp.engine.vllm_boundary.targets import check_boundary
 from vinterp.interventions.applied import AppliedCheck, AppliedCounters
 from vinterp.interventions.capture_buffers import buffer_rows, buffer_site_ids
 from vinterp.interventions.feature_buffers import sae_steering_host_ids
+from vinterp.interventions.probe_buffers import probe_site_ids
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.runtime.worker_parts import build_parts
 from vinterp.runtime.worker_runtime import WorkerRuntime
@@ -57,6 +58,7 @@ def steer_buffers_for(
         counters=counters,
         feature_hosts=sae_steering_host_ids(list(settings.sae_steering_hosts), order),
         features_per_host=settings.sae_steering_features,
+        probe_sites=probe_site_ids(list(settings.probe_sites), order),
     )
 
 
@@ -79,6 +81,7 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
     calls = SiteCalls()
     capture = install_vllm_sites(modules, order, steer, calls, capture_rows, capture_sites)
 
+    held = held_site_ids(modules, order)
     parts = build_parts(
         model,
         modules,
@@ -87,9 +90,8 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
         parallel,
         last_stage_start(order.num_layers, parallel.pipeline_size),
         capture,
-        check=None
-        if counters is None
-        else AppliedCheck(counters, held_site_ids(modules, order), order),
+        check=None if counters is None else AppliedCheck(counters, held, order),
+        held=held,
     )
     runtime = WorkerRuntime.of(parts)
     instrument(runner, runtime, calls)

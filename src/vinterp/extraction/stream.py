@@ -33,7 +33,8 @@ from vinterp.store import (
     ShardWriter,
     column_values,
 )
-from vinterp.wire.specs import Capture, RequestSpecs
+from vinterp.wire.request_specs import RequestSpecs
+from vinterp.wire.specs import Capture
 
 PREFILL_ONLY = sampling_kwargs({"max_tokens": 1})
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -22,9 +22,10 @@ from vinterp.sae import SAE
 from vinterp.sae.steering import feature_steering_misfit
 from vinterp.sites.names import SiteOrder, is_pattern
 from vinterp.wire.errors import WireError
+from vinterp.wire.probes import Probe, gating_misfit, probe_misfit, shared_gate_misfit
+from vinterp.wire.request_specs import RequestSpecs
 from vinterp.wire.specs import (
     Capture,
-    RequestSpecs,
     Steering,
     capture_sites,
     feature_host,
@@ -37,17 +38,42 @@ from vinterp.wire.specs import (
 from vinterp.wire.tensors import tensor_to_wire
 
 _SERIALS = itertools.count(1)
-# Identical specs become one WorkerSteering: the same steering sent with 256 requests is one
-# combination and one table row, not 256 (bounded: cleared when full).
-_BY_CONTENT: dict[tuple[Any, ...], WorkerSteering] = {}
+# Identical specs become one WorkerSteering (WorkerProbe): the same steering sent with 256
+# requests is one combination and one table row, not 256 (bounded: cleared when full).
+_BY_CONTENT: dict[tuple[Any, ...], Any] = {}
 _BY_CONTENT_MAX = 4096
+_Shared = TypeVar("_Shared")
+
+
+def _shared(key: tuple[Any, ...], make: Callable[[], _Shared]) -> _Shared:
+    """The one object made for this content key."""
+    if key not in _BY_CONTENT:
+        if len(_BY_CONTENT) >= _BY_CONTENT_MAX:
+            _BY_CONTENT.clear()
+        _BY_CONTENT[key] = make()
+    return _BY_CONTENT[key]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class WorkerProbe:
+    """A `Probe` as the probe tables use it: its serial (equal probes share one, `shared`)."""
+
+    probe: Probe
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
+
+    @classmethod
+    def shared(cls, probe: Probe) -> WorkerProbe:
+        key = ("probe", probe.name, probe.site, _digest(probe.weight), _digest(probe.offsets))
+        return _shared(key, lambda: cls(probe))
 
 
 @dataclass(frozen=True)
 class WorkerSteering:
-    """A `Steering` as the steering tables use it: its serial, and which tokens it steers."""
+    """A `Steering` as the steering tables use it: its serial, and which tokens it steers;
+    a gated one (`when=`) with the request's probe that gates it."""
 
     steering: Steering
+    gate: WorkerProbe | None = None
     positions: frozenset[int] | None = field(init=False)
     # per host site, the SAE features it steers there and their values times scale
     features: dict[str, dict[int, float]] = field(init=False)
@@ -64,14 +90,10 @@ class WorkerSteering:
         object.__setattr__(self, "features", features)
 
     @classmethod
-    def shared(cls, steering: Steering) -> WorkerSteering:
-        """The one WorkerSteering of every steering with this content."""
-        key = content_key(steering)
-        if key not in _BY_CONTENT:
-            if len(_BY_CONTENT) >= _BY_CONTENT_MAX:
-                _BY_CONTENT.clear()
-            _BY_CONTENT[key] = cls(steering)
-        return _BY_CONTENT[key]
+    def shared(cls, steering: Steering, gate: WorkerProbe | None = None) -> WorkerSteering:
+        """The one WorkerSteering of every steering with this content (and gate)."""
+        key = (*content_key(steering), None if gate is None else gate.serial)
+        return _shared(key, lambda: cls(steering, gate))
 
     @property
     def vectors(self) -> dict[str, torch.Tensor]:
@@ -121,10 +143,7 @@ class WorkerSteering:
 
 def content_key(steering: Steering) -> tuple[Any, ...]:
     """Equal for steerings that steer alike (the vectors by a digest of their bytes)."""
-    vectors = tuple(
-        (site, tuple(v.shape), hashlib.blake2b(tensor_to_wire(v)["data"]).digest())
-        for site, v in sorted(steering.vectors.items())
-    )
+    vectors = tuple((site, _digest(v)) for site, v in sorted(steering.vectors.items()))
     positions = None if steering.positions is None else tuple(sorted(steering.positions))
     features = tuple(
         (site, tuple(sorted(f.items()))) for site, f in sorted(steering.features.items())
@@ -137,7 +156,13 @@ def content_key(steering: Steering) -> tuple[Any, ...]:
         steering.norm_match,
         features,
         steering.mode,
+        steering.when,
     )
+
+
+def _digest(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's shape and a digest of its bytes."""
+    return tuple(tensor.shape), hashlib.blake2b(tensor_to_wire(tensor)["data"]).digest()
 
 
 @dataclass(frozen=True)
@@ -194,34 +219,82 @@ class WorkerRequest:
     steering_names: list[str]
     capture: WorkerCapture | None
     trace: tuple[str, int] | None
+    probes: tuple[WorkerProbe, ...] = ()
+    probe_id: str = ""  # the id its scores are kept under (its capture's, if it has one)
 
 
 def worker_steering(
-    steering: Steering, order: SiteOrder, hidden_size: int, saes: Mapping[str, SAE]
+    steering: Steering,
+    order: SiteOrder,
+    hidden_size: int,
+    saes: Mapping[str, SAE],
+    gates: Mapping[str, WorkerProbe] | None = None,
 ) -> WorkerSteering:
-    """A decoded steering checked against this model and the SAEs attached."""
+    """A decoded steering checked against this model and the SAEs attached; `gates`: the
+    request's probes by name (None: a global or named steering, which cannot be gated)."""
     misfit = steering_misfit(steering, order.num_layers, hidden_size)
     misfit = misfit or feature_steering_misfit(steering, saes)
+    if gates is None:
+        misfit = misfit or shared_gate_misfit(steering)
     if misfit is not None:
         raise WireError(misfit)
-    return WorkerSteering.shared(steering)
+    gate = None if steering.when is None or gates is None else gates[steering.when.probe]
+    return WorkerSteering.shared(steering, gate)
 
 
 def decode_request(
-    extra: Any, order: SiteOrder, hidden_size: int, saes: Mapping[str, SAE]
+    extra: Any,
+    order: SiteOrder,
+    hidden_size: int,
+    saes: Mapping[str, SAE],
+    held: frozenset[int] | None = None,
 ) -> WorkerRequest:
-    """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict)."""
+    """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict); `held`:
+    the sites this worker runs (a pipeline stage's; None: all)."""
     cached = extra.get("_decoded") if isinstance(extra, dict) else None
     if cached is None:
         specs = RequestSpecs.from_wire(extra)
         capture = None
         if specs.capture is not None:
             capture = WorkerCapture.of(specs.capture_id, specs.capture, order)
+        misfit = gating_misfit(specs.probes, specs.steering, order)
+        for probe in specs.probes:
+            misfit = misfit or probe_misfit(probe, order.num_layers, hidden_size)
+        misfit = misfit or _gate_across_stages(specs.probes, specs.steering, order, held)
+        if misfit is not None:
+            raise WireError(misfit)
+        probes = {p.name: WorkerProbe.shared(p) for p in specs.probes}
         cached = WorkerRequest(
-            [worker_steering(s, order, hidden_size, saes) for s in specs.steering],
+            [worker_steering(s, order, hidden_size, saes, probes) for s in specs.steering],
             specs.steering_names,
             capture,
             specs.trace,
+            tuple(probes.values()),
+            specs.capture_id if probes else "",
         )
         extra["_decoded"] = cached
     return cached
+
+
+def _gate_across_stages(
+    probes: Sequence[Probe],
+    steering: Sequence[Steering],
+    order: SiteOrder,
+    held: frozenset[int] | None,
+) -> str | None:
+    """A gate whose probe another pipeline stage reads (its scores do not cross stages)."""
+    if held is None:
+        return None
+    named = {p.name: p for p in probes}
+    for spec in steering:
+        if spec.when is None:
+            continue
+        probe_site = named[spec.when.probe].site
+        for site in spec.vectors:
+            if (order[site] in held) != (order[probe_site] in held):
+                return (
+                    f"steering.when: probe {spec.when.probe!r} at {probe_site} and the site it "
+                    f"gates, {site}, run on different pipeline stages; gate a site of the "
+                    "probe's stage"
+                )
+    return None

@@ -40,6 +40,12 @@ from vinterp.interventions.feature_buffers import (
     feature_delta,
 )
 from vinterp.interventions.graph_recording import ops_recorded
+from vinterp.interventions.probe_buffers import (
+    ProbeBuffers,
+    ProbeTables,
+    gate_passes,
+    probe_scores,
+)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class SteerTables:
     ablate: torch.Tensor  # (rows, slots, H) float32 unit directions
     ablate_scale: torch.Tensor  # (rows, slots) float32
     features: FeatureTables | None = None  # SAE feature steering (None: no feature tables)
+    probes: ProbeTables | None = None  # probes and gated steering (None: no probe tables)
 
 
 class SteerBuffers(nn.Module):
@@ -69,9 +76,11 @@ class SteerBuffers(nn.Module):
         counters: AppliedCounters | None = None,
         feature_hosts: frozenset[int] = frozenset(),
         features_per_host: int = SAE_STEERING_FEATURES,
+        probe_sites: frozenset[int] = frozenset(),
     ) -> None:
         """`feature_hosts`: the sites whose SAE feature steering is compiled, `features_per_host`
-        features each (none: steps that steer features run uncompiled)."""
+        features each (none: steps that steer features run uncompiled); `probe_sites`: the
+        sites whose probes are compiled (none: steps with probes or gates run uncompiled)."""
         super().__init__()
         self.counters = counters  # with the check on (`interventions.applied`)
 
@@ -95,17 +104,25 @@ class SteerBuffers(nn.Module):
                 max_rows,
                 torch.device(device),
             )
+        self.probes = None
+        if probe_sites:
+            self.probes = ProbeBuffers(
+                probe_sites, num_sites, hidden_size, max_tokens, max_combos, max_rows, device
+            )
         self.overflow: SteerTables | None = None  # set only for steps run uncompiled
         self.active = False  # whether any token is steered this step
         self.steered_hosts: frozenset[int] = (
             frozenset()
         )  # the hosts whose features this step steers
+        self.probed_sites: frozenset[int] = frozenset()  # the sites this step's probes read
+        self.probing = False  # whether this step has probes or gated steering
 
     def tables(self) -> SteerTables:
         """The tables this step reads; in a recorded graph always the persistent buffers."""
         if not ops_recorded() and self.overflow is not None:
             return self.overflow
         features = None if self.features is None else self.features.tables()
+        probes = None if self.probes is None else self.probes.tables()
         return SteerTables(
             self.token_combo,
             self.site_rows,
@@ -114,6 +131,7 @@ class SteerBuffers(nn.Module):
             self.ablate,
             self.ablate_scale,
             features,
+            probes,
         )
 
     def forward(
@@ -133,20 +151,36 @@ class SteerBuffers(nn.Module):
         if not ops_recorded() and not self.active:
             return x
         t = self.tables()
-        rows = t.site_rows[t.token_combo[: x.shape[0]], site]
+        combo = t.token_combo[: x.shape[0]]
+        rows = t.site_rows[combo, site]
         if self.counters is not None:
             self.counters.count_steered(site, rows)
         source = x if norm_of is None else norm_of
         norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True, dtype=torch.float32)
-        delta = t.add[rows].float() + norm * t.unit[rows].float()
-        directions = t.ablate[rows]  # (tokens, slots, H)
-        along = (source.float().unsqueeze(1) * directions).sum(-1) * t.ablate_scale[rows]
-        delta = delta - (along.unsqueeze(-1) * directions).sum(1)
+        delta = _vector_delta(t, rows, source, norm)
         compiled = ops_recorded() and self.features is not None
         hosts = self.features.hosts if compiled else self.steered_hosts  # type: ignore[union-attr]
         if t.features is not None and site_id in hosts:
             delta = delta + feature_delta(t.features, site, source, rows)
+        if t.probes is not None and (ops_recorded() or self.probing):
+            probed = self.probes.sites if ops_recorded() else self.probed_sites  # type: ignore[union-attr]
+            scores = probe_scores(t.probes, site, source, site_id in probed)
+            gated = t.probes.gated_rows[combo, site]
+            delta = delta + gate_passes(t.probes, scores, gated) * _vector_delta(
+                t, gated, source, norm
+            )
         # one rounding to the model's dtype, of the sum: an ablation's delta nearly cancels x,
         # and rounding the delta first would leave its rounding error in the result (in bf16,
         # eager steps then part from compiled ones, whose fused kernels round only the sum)
         return (x.float() + delta).to(x.dtype)
+
+
+def _vector_delta(
+    t: SteerTables, rows: torch.Tensor, source: torch.Tensor, norm: torch.Tensor
+) -> torch.Tensor:
+    """What the table rows `rows` add to the site's value `source` (norm: its row norms),
+    float32: the plain and norm-matched vectors, less the ablated components."""
+    delta = t.add[rows].float() + norm * t.unit[rows].float()
+    directions = t.ablate[rows]  # (tokens, slots, H)
+    along = (source.float().unsqueeze(1) * directions).sum(-1) * t.ablate_scale[rows]
+    return delta - (along.unsqueeze(-1) * directions).sum(1)

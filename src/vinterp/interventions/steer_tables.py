@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,17 @@ import torch
 from vinterp.interventions.applied import steered_per_site
 from vinterp.interventions.feature_buffers import FeatureTables
 from vinterp.interventions.host_to_device import upload
+from vinterp.interventions.probe_buffers import ProbeTables
+from vinterp.interventions.probe_tables import (
+    Probed,
+    ProbeRead,
+    ProbeSlots,
+    probe_reads,
+    probe_slots,
+    probe_tables,
+)
 from vinterp.interventions.sae_registry import SaeRegistry
-from vinterp.interventions.specs import WorkerSteering
+from vinterp.interventions.specs import WorkerProbe, WorkerSteering
 from vinterp.interventions.steer_buffers import SteerBuffers, SteerTables
 from vinterp.sites.names import SiteOrder
 
@@ -32,6 +42,8 @@ class RequestSteering:
 
     specs: tuple[WorkerSteering, ...]
     prompt_len: int
+    probes: tuple[WorkerProbe, ...] = ()
+    probe_id: str = ""  # the id its probes' scores are kept under
     generated: tuple[WorkerSteering, ...] = field(init=False)
     generated_key: tuple[int, ...] = field(init=False)
 
@@ -57,13 +69,22 @@ class SteerPlan:
     key: tuple[tuple[int, ...], ...]  # the combinations (spec serials), in id order
     saes: int = 0  # the SAE attachments so far: tables built from a replaced SAE are built again
     site_rows: np.ndarray | None = None  # (combos, sites), built only when key changed
+    gated_rows: np.ndarray | None = None  # (combos, sites): the gated steering's rows
     add: torch.Tensor | None = None
     unit: torch.Tensor | None = None
     ablate: torch.Tensor | None = None
     ablate_scale: torch.Tensor | None = None
     features: FeatureTables | None = None  # SAE features' tables, when key changed and any
     steered_hosts: frozenset[int] = frozenset()  # the hosts whose SAE features are steered
+    slots: ProbeSlots = field(default_factory=dict)  # this step's probes (`probe_tables`)
+    probes: ProbeTables | None = None  # their tables and the gates, when key changed and any
+    probed: Probed = field(default_factory=dict)  # the requests with probes
     overflow: bool = False  # the tables do not fit the persistent buffers
+
+    @property
+    def loaded_key(self) -> tuple[Any, ...]:
+        """What the buffers' tables are built from: combinations, probes, SAE attachments."""
+        return self.key, tuple(self.slots), self.saes
 
 
 def _combinations(
@@ -101,37 +122,65 @@ def _combinations(
     return per_request, combos
 
 
+@dataclass
+class VectorTables:
+    """A plan's vector tables: per combination and site its row (`site_rows`) and its gated
+    steering's row (`gated_rows`); per row the summed plain (add) and norm-matched (unit)
+    vectors, the directions ablated (rows, slots, H) and their scales (rows, slots), a slot
+    per ablation of the row's specs at its site (one at least), and the gate of a gated row
+    (None for the others). Row 0 is zero."""
+
+    site_rows: np.ndarray
+    gated_rows: np.ndarray
+    add: torch.Tensor
+    unit: torch.Tensor
+    ablate: torch.Tensor
+    ablate_scale: torch.Tensor
+    gates: list[WorkerSteering | None]
+
+
 def _tables(
     specs_by_combo: list[tuple[WorkerSteering, ...]], order: SiteOrder, hidden_size: int
-) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """site_rows; the summed plain (add) and norm-matched (unit) vectors; the directions
-    ablated (rows, slots, H) and their scales (rows, slots), a slot per ablation of the row's
-    combination at its site (one at least). Row 0 is zero."""
+) -> VectorTables:
     site_rows = np.zeros((len(specs_by_combo), len(order.sites)), dtype=np.int64)
+    gated_rows = np.zeros_like(site_rows)
     adds, units = [torch.zeros(hidden_size)], [torch.zeros(hidden_size)]
     ablations: list[list[tuple[torch.Tensor, float]]] = [[]]
+    gates: list[WorkerSteering | None] = [None]
+
+    def row(specs: list[WorkerSteering], site: str) -> int:
+        add, unit, ablated = torch.zeros(hidden_size), torch.zeros(hidden_size), []
+        for spec in specs:
+            if site not in spec.vectors:
+                continue
+            if spec.ablates:
+                ablated.append((spec.direction(site), spec.steering.scale))
+            else:
+                target = unit if spec.norm_match else add
+                target += spec.scaled(site)
+        adds.append(add)
+        units.append(unit)
+        ablations.append(ablated)
+        gates.append(next((s for s in specs if s.gate is not None), None))
+        return len(adds) - 1
+
     for combo, specs in enumerate(specs_by_combo):
         for site in dict.fromkeys(s for spec in specs for s in spec.sites):
-            add, unit, ablated = torch.zeros(hidden_size), torch.zeros(hidden_size), []
-            for spec in specs:
-                if site not in spec.vectors:
-                    continue
-                if spec.ablates:
-                    ablated.append((spec.direction(site), spec.steering.scale))
-                else:
-                    target = unit if spec.norm_match else add
-                    target += spec.scaled(site)
-            site_rows[combo, order[site]] = len(adds)
-            adds.append(add)
-            units.append(unit)
-            ablations.append(ablated)
+            plain = [s for s in specs if s.gate is None]
+            if any(site in s.sites for s in plain):
+                site_rows[combo, order[site]] = row(plain, site)
+            gated = [s for s in specs if s.gate is not None and site in s.vectors]
+            if gated:  # a request's gated steerings share one gate at a site (`gating_misfit`)
+                gated_rows[combo, order[site]] = row(gated, site)
     slots = max(1, *map(len, ablations))
     directions = torch.zeros(len(adds), slots, hidden_size)
     scales = torch.zeros(len(adds), slots)
-    for row, ablated in enumerate(ablations):
+    for r, ablated in enumerate(ablations):
         for slot, (direction, scale) in enumerate(ablated):
-            directions[row, slot], scales[row, slot] = direction, scale
-    return site_rows, torch.stack(adds), torch.stack(units), directions, scales
+            directions[r, slot], scales[r, slot] = direction, scale
+    return VectorTables(
+        site_rows, gated_rows, torch.stack(adds), torch.stack(units), directions, scales, gates
+    )
 
 
 def _feature_tables(
@@ -200,6 +249,8 @@ class SteeringPlanner:
     _step_tables: tuple[np.ndarray, np.ndarray] | None = None
     _loaded_site_rows: np.ndarray | None = None
     _features_loaded = False  # whether the feature buffers hold a plan's slots
+    # this step's probed requests' rows, grouped by probe (`probe_tables.ProbeRead`)
+    probe_reads: list[ProbeRead] = field(default_factory=list)
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
         """Plan this step; True when it must run uncompiled (tables too large)."""
@@ -207,19 +258,31 @@ class SteeringPlanner:
         buffers.overflow = None
         buffers.active = bool(requests)
         buffers.steered_hosts = frozenset()
+        buffers.probing, buffers.probed_sites = False, frozenset()
         if not requests:
             self.plan_ = None
             return False
         per_request, combos = _combinations(requests)
-        plan = SteerPlan(per_request, tuple(combos), self.saes.attachments)
+        probes = probe_slots(r.steering.probes for r in requests)
+        plan = SteerPlan(per_request, tuple(combos), self.saes.attachments, slots=probes)
+        plan.probed = {
+            r.req_id: (r.steering.probe_id, r.steering.probes)
+            for r in requests
+            if r.steering.probes
+        }
         specs_by_combo = list(combos.values())
         plan.steered_hosts = frozenset(
             self.order[host] for specs in specs_by_combo for spec in specs for host in spec.features
         )
-        if (plan.key, plan.saes) != self._loaded_key:
-            plan.site_rows, plan.add, plan.unit, plan.ablate, plan.ablate_scale = _tables(
-                specs_by_combo, self.order, buffers.add.shape[1]
-            )
+        probed_sites = frozenset(self.order[p.probe.site] for p, _ in probes.values())
+        if plan.loaded_key != self._loaded_key:
+            vectors = _tables(specs_by_combo, self.order, buffers.add.shape[1])
+            plan.site_rows, plan.gated_rows = vectors.site_rows, vectors.gated_rows
+            plan.add, plan.unit = vectors.add, vectors.unit
+            plan.ablate, plan.ablate_scale = vectors.ablate, vectors.ablate_scale
+            if probes:
+                plan.probes = probe_tables(probes, vectors.gated_rows, vectors.gates, self.order)
+            probe_buffers = buffers.probes
             feature_buffers = buffers.features
             slots, width = (0, 0) if feature_buffers is None else feature_buffers.enc.shape[:2]
             plan.features = _feature_tables(
@@ -237,10 +300,19 @@ class SteeringPlanner:
                         or not plan.features.fits(feature_buffers)
                     )
                 )
+                or (
+                    plan.probes is not None
+                    and (
+                        probe_buffers is None
+                        or not probed_sites <= probe_buffers.sites  # a site not compiled
+                        or not plan.probes.fits(probe_buffers.tables())
+                    )
+                )
             )
             if plan.overflow:
                 self._loaded_key = None
         buffers.steered_hosts = plan.steered_hosts
+        buffers.probing, buffers.probed_sites = bool(probes), probed_sites
         self.plan_ = plan
         return plan.overflow
 
@@ -250,6 +322,7 @@ class SteeringPlanner:
         plan = self.plan_
         if plan is None:
             self._written = self._step_tables = None
+            self.probe_reads = []
             if len(self._on_device):
                 self.buffers.token_combo[: len(self._on_device)].zero_()
                 self._on_device = np.zeros(0, dtype=np.int64)
@@ -259,6 +332,7 @@ class SteeringPlanner:
             return
         self._written = (plan, rows)
         self._step_tables = None
+        self.probe_reads = probe_reads(plan.slots, plan.probed, rows)
         token_combo = np.zeros(max(num_tokens, len(self._on_device)), dtype=np.int64)
         for req_id, start, end in rows:
             ids = plan.combos.get(req_id)
@@ -274,6 +348,9 @@ class SteeringPlanner:
                 plan.ablate.to(buffers.ablate.device),  # type: ignore[union-attr]
                 plan.ablate_scale.to(buffers.ablate.device),  # type: ignore[union-attr]
                 None if plan.features is None else plan.features.to(buffers.add.device),
+                None
+                if plan.probes is None
+                else plan.probes.with_scores(len(token_combo)).to(buffers.add.device),
             )
             self._step_tables = (token_combo, plan.site_rows)  # type: ignore[assignment]
             return
@@ -284,11 +361,30 @@ class SteeringPlanner:
             upload(buffers.ablate[: len(plan.add)], plan.ablate)  # type: ignore[arg-type]
             upload(buffers.ablate_scale[: len(plan.add)], plan.ablate_scale)  # type: ignore[arg-type]
             self._load_features(plan.features)
-            self._loaded_key, self._loaded_site_rows = (plan.key, plan.saes), plan.site_rows
+            self._load_probes(plan)
+            self._loaded_key, self._loaded_site_rows = plan.loaded_key, plan.site_rows
         if not np.array_equal(token_combo, self._on_device):
             upload(buffers.token_combo[: len(token_combo)], torch.from_numpy(token_combo))
             self._on_device = token_combo
         self._step_tables = (token_combo, self._loaded_site_rows)  # type: ignore[assignment]
+
+    def _load_probes(self, plan: SteerPlan) -> None:
+        """Put a plan's probe tables and gated rows into the probe buffers (a plan without
+        probes points every combination at the zero gated row)."""
+        probes = self.buffers.probes
+        if probes is None:
+            return
+        if plan.probes is not None:
+            plan.probes.upload_to(probes.tables())
+        else:
+            assert plan.gated_rows is not None
+            upload(probes.gated_rows[: len(plan.gated_rows)], torch.from_numpy(plan.gated_rows))
+
+    def scores(self) -> torch.Tensor:
+        """The scores buffer this step's probes write (`probe_reads` says whose rows)."""
+        tables = self.buffers.tables()
+        assert tables.probes is not None
+        return tables.probes.scores
 
     def _load_features(self, tables: FeatureTables | None) -> None:
         """Put a plan's SAE feature tables into the feature buffers; a plan without features

@@ -9,6 +9,7 @@ where they are kept (only the captured rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.capture_files import FileWriter
 from vinterp.interventions.capture_store import CaptureStore
+from vinterp.interventions.probe_tables import ProbeRead
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import (
     WorkerCapture,
@@ -32,14 +34,21 @@ from vinterp.interventions.tables import (
     gather_plan,
 )
 from vinterp.sites.names import SiteOrder, sae_site
+from vinterp.wire.probes import probe_store_name
 from vinterp.wire.specs import Steering
 
 
 class WorkerInterventions:
     def __init__(
-        self, keeps_results: bool, order: SiteOrder, hidden_size: int, saes: SaeRegistry
+        self,
+        keeps_results: bool,
+        order: SiteOrder,
+        hidden_size: int,
+        saes: SaeRegistry,
+        held: frozenset[int] | None = None,
     ) -> None:
-        self.order, self.hidden_size, self.saes = order, hidden_size, saes
+        """`held`: the sites this worker runs (a pipeline stage's; None: all)."""
+        self.order, self.hidden_size, self.saes, self.held = order, hidden_size, saes, held
         self.keeps_results = keeps_results  # TP: one rank records, the others skip the copies
         self.global_steering: list[WorkerSteering] = []
         self.named: dict[str, WorkerSteering] = {}
@@ -75,7 +84,7 @@ class WorkerInterventions:
 
     def decode(self, extra: dict[str, Any]) -> WorkerRequest:
         """A request's steering, capture and trace invoke (checked; decoded once)."""
-        return decode_request(extra, self.order, self.hidden_size, self.saes.saes)
+        return decode_request(extra, self.order, self.hidden_size, self.saes.saes, self.held)
 
     def steering_for(self, request: WorkerRequest | None) -> list[WorkerSteering]:
         """Every steering of a request: global, then its named ones, then its own."""
@@ -155,6 +164,30 @@ class WorkerInterventions:
             elif site in topk:  # else its host has no SAE: the front end says so
                 self._keep_sae(site, topk[site], capture, rows)
         return list(gathered)
+
+    def keep_scores(
+        self, reads: list[ProbeRead], scores: torch.Tensor, computed: Callable[[str], int]
+    ) -> None:
+        """Keep this step's probe scores (`scores`: the step's buffer, `reads`: whose rows)
+        under each request's probe id, as `probe_store_name(name)`; `computed(req_id)`: the
+        tokens of the request computed before this step. A probe another pipeline stage
+        reads is kept there."""
+        if not self.keeps_results:
+            return
+        for read in reads:
+            probe = read.probe.probe
+            if self.held is not None and self.order[probe.site] not in self.held:
+                continue
+            rows: list[int] = []
+            parts: list[tuple[str, list[int]]] = []
+            for req_id, probe_id, start, end in read.requests:
+                first = computed(req_id)
+                rows.extend(range(start, end))
+                parts.append((probe_id, list(range(first, first + end - start))))
+            index = torch.tensor(rows, dtype=torch.long)
+            slots = slice(read.first_slot, read.first_slot + probe.outputs)
+            values = scores.index_select(0, index.to(scores.device))[:, slots]
+            self.store.add_gathered(probe_store_name(probe.name), SiteCapture(index, parts), values)
 
     def take_captures(
         self, capture_ids: list[str], handoff: dict[str, str] | None = None

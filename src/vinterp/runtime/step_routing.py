@@ -37,7 +37,7 @@ class StepNeeds:
 
 
 class StepRouter:
-    """Plans each step's steering and chooses its `StepMode`.
+    """Plans each step's steering (probes included) and chooses its `StepMode`.
 
     Most steps repeat the last one: the same requests, each decoding one token. Then the
     steering plan stands; a step without steered requests plans nothing; and only the
@@ -70,7 +70,7 @@ class StepRouter:
             self.steered.discard(req_id)
         for new in schedule.new:
             specs = self.tracker.requests[new.req_id].specs
-            if specs is not None and (specs.steering or specs.steering_names):
+            if specs is not None and (specs.steering or specs.steering_names or specs.probes):
                 self.steered.add(new.req_id)
         needs = self._needs(schedule.tokens)
         if not self._plan_stands(schedule.tokens):
@@ -134,7 +134,11 @@ class StepRouter:
         changed since."""
         if req.steering_version != self.interventions.version:
             specs = self.interventions.steering_for(req.specs)
-            req.steering = RequestSteering(tuple(specs), req.prompt_len) if specs else None
+            probes = () if req.specs is None else req.specs.probes
+            probe_id = "" if req.specs is None else req.specs.probe_id
+            req.steering = None
+            if specs or probes:
+                req.steering = RequestSteering(tuple(specs), req.prompt_len, probes, probe_id)
             req.steering_version = self.interventions.version
         return req.steering
 

@@ -53,7 +53,9 @@ def build_parts(
     last_stage_start: int | None,
     capture: CaptureBuffers | None = None,
     check: AppliedCheck | None = None,
+    held: frozenset[int] | None = None,
 ) -> WorkerParts:
+    """`held`: the sites this worker's model runs (a pipeline stage's; None: all)."""
     tp = TensorParallel(parallel)
     # TP ranks hold the same values: the first of each stage keeps saves and captures
     keeps_results = parallel.tp_rank == 0
@@ -69,7 +71,7 @@ def build_parts(
     traces = TraceDispatch(
         order, steer.add.device, functions, last_stage_start, keeps_results, model
     )
-    interventions = WorkerInterventions(keeps_results, order, steer.add.shape[1], saes)
+    interventions = WorkerInterventions(keeps_results, order, steer.add.shape[1], saes, held)
     steering = SteeringPlanner(steer, order, saes)
     tracker = RequestTracker(partial(describe, interventions, capture, order))
     return WorkerParts(

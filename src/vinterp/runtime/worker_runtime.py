@@ -156,15 +156,24 @@ class WorkerRuntime(WorkerParts):
         return sorted(placed, key=lambda p: p[2])
 
     def end_step(self) -> None:
-        """After the forward is queued: keep what the capture buffers gathered; with the
-        check on, compare what the sites applied with what the step asked for."""
+        """After the forward is queued: keep what the capture buffers gathered and the probes
+        scored; with the check on, compare what the sites applied with what the step asked for."""
         buffers = self.capture_buffers
         gathers: list[int] = []
         if buffers is not None and buffers.active:
             gathers = self.interventions.keep_gathered(buffers)
+        reads = self.steering.probe_reads
+        if reads:
+            self.interventions.keep_scores(reads, self.steering.scores(), self._computed)
         if self.check is not None:
             steered = self.steering.steered_per_site()
             self.check.end(self.counts["steps"], self.mode.uncompiled, steered, gathers)
+
+    def _computed(self, req_id: str) -> int:
+        """The tokens of a scheduled request computed before this step."""
+        req = self.tracker.get(req_id)
+        assert req is not None
+        return req.num_computed
 
     def pipeline_values(self) -> dict[str, Any]:
         """What this stage sends on with the step's IntermediateTensors (uncompiled steps)."""

@@ -2,9 +2,10 @@
 
 A middleware of vLLM's own server (its `--middleware` entry point, no fork): it validates the
 field as data (specs from their JSON form, checked against the served model), hands it to the
-workers through `vllm_xargs` (vLLM's field for extensions), and adds the captured rows to the
-response. A bad field is a 400 that names the problem; nothing from the client is executed.
-It also refuses, on every route, a body whose declared size is over `--max-body-mb` (413).
+workers through `vllm_xargs` (vLLM's field for extensions), and adds the captured rows and
+probe scores to the response. A bad field is a 400 that names the problem; nothing from the
+client is executed. It also refuses, on every route, a body whose declared size is over
+`--max-body-mb` (413).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vinterp.api.requests import Prepared, captured_tensors, check_steering
+from vinterp.api.requests import (
+    Prepared,
+    captured_tensors,
+    check_probes,
+    check_steering,
+    probe_scores,
+)
 from vinterp.engine.settings import EngineSettings
 from vinterp.engine.vllm_boundary.engine_config import engine_config
 from vinterp.engine.vllm_engine import unapplied_error
@@ -30,6 +37,7 @@ from vinterp.serve.error_responses import bad_request, error_response
 from vinterp.sites.modules import site_order
 from vinterp.wire.errors import WireError
 from vinterp.wire.json_form import captures_to_json, payload_to_text
+from vinterp.wire.probes import Probe, probes_from_data
 from vinterp.wire.specs import EXTRA_ARGS_KEY, Capture, Steering, capture_sites
 
 FIELD = "vinterp"
@@ -41,10 +49,10 @@ class FieldError(WireError):
 
 
 def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
-    """The request's steering and capture, checked against the model (HF `config`) and the
-    server's `named` steerings; raises only WireError (FieldError is one)."""
-    if not isinstance(value, dict) or not set(value) <= {"steering", "capture"}:
-        raise FieldError("vinterp: expected {steering: ..., capture: ...}")
+    """The request's steering, capture and probes, checked against the model (HF `config`)
+    and the server's `named` steerings; raises only WireError (FieldError is one)."""
+    if not isinstance(value, dict) or not set(value) <= {"steering", "capture", "probes"}:
+        raise FieldError("vinterp: expected {steering: ..., capture: ..., probes: ...}")
     prepared = Prepared(prompt=[], sampling={})
     steering = value.get("steering")
     for item in steering if isinstance(steering, list) else [steering] if steering else []:
@@ -72,6 +80,13 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
         except ValueError as exc:
             raise FieldError(f"vinterp.{exc}") from None
         prepared.capture, prepared.capture_id = capture, uuid.uuid4().hex
+    if value.get("probes") is not None:
+        prepared.probes = probes_from_data(value["probes"], Probe.from_json)
+        try:
+            check_probes(prepared.probes, prepared.steering, config, site_order(config))
+        except ValueError as exc:
+            raise FieldError(f"vinterp.{exc}") from None
+        prepared.capture_id = prepared.capture_id or uuid.uuid4().hex
     return prepared
 
 
@@ -114,9 +129,10 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         named = served.named if served is not None else {}
         prepared = parse_field(body.pop(FIELD), engine_config(engine).hf_config, named)
         several = _many_prompts(body) or body.get("n") not in (None, 1)
-        if prepared.capture is not None and (body.get("stream") or several):
+        if prepared.capture_id and (body.get("stream") or several):
+            what = "capture" if prepared.capture is not None else "probes"
             raise FieldError(
-                "vinterp.capture: one prompt and one choice (n=1) per request, without streaming"
+                f"vinterp.{what}: one prompt and one choice (n=1) per request, without streaming"
             )
     except (FieldError, WireError, ValueError) as exc:
         message = str(exc)
@@ -132,7 +148,7 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         response = await call_next(request)
         # a streamed answer has gone out before the check could change its status
         checked = specs is not None and not body.get("stream") and _checks_applied(engine)
-        if response.status_code != 200 or (prepared.capture is None and not checked):
+        if response.status_code != 200 or (not prepared.capture_id and not checked):
             return response
         raw = b"".join([chunk async for chunk in response.body_iterator])
         data = json.loads(raw) if raw else None
@@ -142,16 +158,16 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
         try:
             if checked:
                 await _raise_unapplied(engine)
-            if prepared.capture is not None:
+            if prepared.capture_id:
                 rows = await _take_captures(engine, prepared.capture_id)
                 taken = True
-                data[FIELD] = {"captures": _captures_json(prepared, rows, data)}
+                data[FIELD] = _results_json(prepared, rows, data)
         except InterventionError as exc:
             return error_response(f"{FIELD}: {exc}", 500, "InterventionError")
         return JSONResponse(data)
     finally:
         # the rows of a request that failed, or whose client left, are dropped, not kept
-        if prepared.capture is not None and not taken:
+        if prepared.capture_id and not taken:
             await asyncio.shield(_take_captures(engine, prepared.capture_id))
 
 
@@ -169,17 +185,21 @@ async def _raise_unapplied(engine: Any) -> None:
         raise error
 
 
-def _captures_json(prepared: Prepared, rows: dict[str, Any], data: dict[str, Any]) -> dict:
-    """The request's captured rows as JSON, checked complete against the answer's usage."""
+def _results_json(prepared: Prepared, rows: dict[str, Any], data: dict[str, Any]) -> dict:
+    """The request's captured rows and probe scores as JSON, checked complete against the
+    answer's usage."""
     usage = data.get("usage") or {}
-    tensors, _ = captured_tensors(
-        rows,
-        int(usage.get("prompt_tokens", 0)),
-        int(usage.get("completion_tokens", 0)),
-        prepared.capture,
-        prepared.capture_sites,
-    )
-    return captures_to_json(tensors)
+    prompt_len = int(usage.get("prompt_tokens", 0))
+    generated = int(usage.get("completion_tokens", 0))
+    out = {}
+    if prepared.capture is not None:
+        tensors, _ = captured_tensors(
+            rows, prompt_len, generated, prepared.capture, prepared.capture_sites
+        )
+        out["captures"] = captures_to_json(tensors)
+    if prepared.probes:
+        out["probes"] = captures_to_json(probe_scores(rows, prompt_len, generated, prepared.probes))
+    return out
 
 
 def _many_prompts(body: dict[str, Any]) -> bool:

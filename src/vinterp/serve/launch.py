@@ -135,6 +135,7 @@ def serve(
     api_key: str | None,
     rest: list[str],
     capture_in_graph: bool | str | list[str] = False,
+    probe_sites: list[str] | None = None,
 ) -> None:
     """Run the server in this process until it is stopped (the bundled model by default)."""
     if model is None:
@@ -144,7 +145,9 @@ def serve(
     model = check_model(model)
     config = model_config(model)
     allow_routes_plugin()
-    settings = EngineSettings.from_keywords({"capture_in_graph": capture_in_graph}, config=config)
+    settings = EngineSettings.from_keywords(
+        {"capture_in_graph": capture_in_graph, "probe_sites": probe_sites}, config=config
+    )
     rest = with_checkpoint_dtype(model, rest)
     run_vllm_serve(vllm_serve_argv(model, host, port, api_key, rest, settings), "vinterp serve")
     from vinterp.serve.routes import ENGINE_DIED

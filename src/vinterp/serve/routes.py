@@ -231,7 +231,7 @@ async def put_steering(request: Request) -> JSONResponse:
         if isinstance(body, dict) and set(body) == {"global"} and isinstance(body["global"], list):
             specs = [Steering.from_json(item) for item in body["global"]]
             for spec in specs:
-                check_steering(spec, config, {}, "global")  # a server holds no SAE
+                check_steering(spec, config, {}, "global", shared=True)  # a server holds no SAE
             wires = [s.to_wire() for s in specs]
             await WorkerCalls.of(engine).set_steering(wires)
             state.global_ = specs
@@ -240,7 +240,7 @@ async def put_steering(request: Request) -> JSONResponse:
             if not isinstance(name, str) or not name or len(name) > 200:
                 raise BadRequest("name: a non-empty string of at most 200 characters")
             spec = Steering.from_json(body["steering"])
-            check_steering(spec, config, {}, "steering")
+            check_steering(spec, config, {}, "steering", shared=True)
             await WorkerCalls.of(engine).register_steering(name, spec.to_wire())
             state.named[name] = spec
         else:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from vinterp.sites.names import (
     SiteOrder,
@@ -32,6 +31,7 @@ from vinterp.sites.names import (
 from vinterp.wire.errors import WireError, short
 from vinterp.wire.json_form import tensor_from_json, tensor_to_json
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
+from vinterp.wire.validation import check_fields, validated
 
 Phase = Literal["all", "prefill", "decode"]
 SteerMode = Literal["add", "clamp", "ablate"]
@@ -46,11 +46,42 @@ TensorEncoder = Callable[[torch.Tensor], dict[str, Any]]
 TensorDecoder = Callable[[Any, str], torch.Tensor]
 
 
+class When(BaseModel):
+    """Where a steering applies: at the tokens whose score from the request's probe named
+    `probe` (its output `output`) is above `above` (or below `below`), decided per token
+    inside the engine step (`vinterp.Probe`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    probe: str
+    above: float | None = None
+    below: float | None = None
+    output: int = 0
+
+    @model_validator(mode="after")
+    def _threshold(self) -> When:
+        if (self.above is None) == (self.below is None):
+            raise ValueError("when: give one threshold, above= or below=")
+        threshold = self.above if self.above is not None else self.below
+        if not math.isfinite(threshold):  # type: ignore[arg-type]
+            raise ValueError("when: the threshold must be a finite number")
+        if self.output < 0:
+            raise ValueError("when.output: a probe output index is >= 0")
+        return self
+
+    def passes(self, score: torch.Tensor) -> torch.Tensor:
+        """Where a score passes the threshold (the definition both backends follow)."""
+        if self.above is not None:
+            return score > self.above
+        return score < self.below  # type: ignore[operator]
+
+
 class Steering(BaseModel):
     """Add `scale * vector` at sites of the residual stream, per request or globally; project
     a direction out of them (`mode="ablate"`: x - scale * (x . d) d, d the unit vector); or,
     at the `<host>.sae.features` site of an attached SAE, add to (`mode="add"`) or set
-    (`mode="clamp"`) features: `{"layers.10.output.sae.features": {1234: 8.0}}`."""
+    (`mode="clamp"`) features: `{"layers.10.output.sae.features": {1234: 8.0}}`. With
+    `when=`, only at the tokens where a probe of the request passes a threshold."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
@@ -61,6 +92,7 @@ class Steering(BaseModel):
     norm_match: bool = False
     features: dict[str, dict[int, float]] = {}  # SAE feature site -> {feature: value}
     mode: SteerMode = "add"
+    when: When | None = None
 
     def __init__(self, vectors: dict[str, Any], **kwargs: Any) -> None:
         if isinstance(vectors, dict) and "features" not in kwargs:
@@ -180,6 +212,11 @@ class Steering(BaseModel):
                 "norm_match: scales vectors by the residual's norm; it does not apply to SAE "
                 "features: steer them in a Steering without norm_match"
             )
+        if self.when is not None and self.features:
+            raise ValueError(
+                "when: gates vectors; SAE feature steering is not gated: steer the features "
+                "in a Steering without when="
+            )
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -281,8 +318,8 @@ class Capture(BaseModel):
     @classmethod
     def from_json(cls, obj: Any) -> Capture:
         """The inverse of `to_json`, for data from anyone: raises only WireError."""
-        _check_fields(obj, "capture", cls.model_fields)
-        return _validated(cls, "capture", obj)
+        check_fields(obj, "capture", cls.model_fields)
+        return validated(cls, "capture", obj)
 
 
 def is_sae_features(site: str) -> bool:
@@ -380,69 +417,6 @@ def steering_misfit(
     return None
 
 
-# -- what one request carries to the workers ------------------------------------------------
-
-
-@dataclass
-class RequestSpecs:
-    """One request's interventions as the workers receive them: its own steering, the names
-    of registered steerings, a capture with its id, or the trace invoke it runs."""
-
-    steering: list[Steering] = field(default_factory=list)
-    steering_names: list[str] = field(default_factory=list)
-    capture: Capture | None = None
-    capture_id: str = ""
-    trace: tuple[str, int] | None = None  # (trace id, invoke)
-
-    def to_wire(self) -> dict[str, Any]:
-        """The value of `extra_args[EXTRA_ARGS_KEY]`."""
-        out: dict[str, Any] = {}
-        if self.steering:
-            out["steering"] = [s.to_wire() for s in self.steering]
-        if self.steering_names:
-            out["steering_names"] = list(self.steering_names)
-        if self.capture is not None:
-            out["capture"] = {"id": self.capture_id, **self.capture.to_json()}
-        if self.trace is not None:
-            out["trace"] = [self.trace[0], self.trace[1]]
-        return out
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> RequestSpecs:
-        """The inverse of `to_wire`, for data from anyone: raises only WireError."""
-        fields = {"steering", "steering_names", "capture", "trace"}
-        if not isinstance(obj, dict) or not set(obj) <= fields:
-            raise WireError(f"{EXTRA_ARGS_KEY}: expected a dict with fields among {sorted(fields)}")
-        steering = obj.get("steering", [])
-        if not isinstance(steering, list):
-            raise WireError(f"{EXTRA_ARGS_KEY}.steering: expected a list, got {short(steering)}")
-        names = obj.get("steering_names", [])
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise WireError(f"{EXTRA_ARGS_KEY}.steering_names: expected names, got {short(names)}")
-        specs = cls([Steering.from_wire(s) for s in steering], list(names))
-        capture = obj.get("capture")
-        if capture is not None:
-            if not isinstance(capture, dict):
-                raise WireError(f"{EXTRA_ARGS_KEY}.capture: expected a dict, got {short(capture)}")
-            capture_id = capture.get("id")
-            if not isinstance(capture_id, str) or not capture_id:
-                raise WireError(f"capture.id: expected a non-empty string, got {short(capture_id)}")
-            specs.capture_id = capture_id
-            specs.capture = Capture.from_json({k: v for k, v in capture.items() if k != "id"})
-        trace = obj.get("trace")
-        if trace is not None:
-            if (
-                not isinstance(trace, list)
-                or len(trace) != 2
-                or not isinstance(trace[0], str)
-                or not isinstance(trace[1], int)
-                or isinstance(trace[1], bool)
-            ):
-                raise WireError(f"{EXTRA_ARGS_KEY}.trace: expected [trace id, invoke]")
-            specs.trace = (trace[0], trace[1])
-        return specs
-
-
 def _steering_data(steering: Steering, tensor: TensorEncoder) -> dict[str, Any]:
     return {
         "vectors": {s: tensor(v) for s, v in steering.vectors.items()},
@@ -453,15 +427,16 @@ def _steering_data(steering: Steering, tensor: TensorEncoder) -> dict[str, Any]:
         # JSON object keys are strings: feature indices travel as decimal text
         "features": {s: {str(j): v for j, v in f.items()} for s, f in steering.features.items()},
         "mode": steering.mode,
+        "when": None if steering.when is None else steering.when.model_dump(),
     }
 
 
 def _steering_from_data(obj: Any, tensor: TensorDecoder) -> Steering:
-    _check_fields(obj, "steering", Steering.model_fields)
+    check_fields(obj, "steering", Steering.model_fields)
     if not isinstance(obj["vectors"], dict):
         raise WireError("steering.vectors: expected {site: tensor}")
     vectors = {s: tensor(v, f"steering.vectors[{short(s)}]") for s, v in obj["vectors"].items()}
-    return _validated(Steering, "steering", {**obj, "vectors": vectors})
+    return validated(Steering, "steering", {**obj, "vectors": vectors})
 
 
 def _is_feature_site(site: Any) -> bool:
@@ -505,35 +480,3 @@ def _is_capturable(site: Any) -> bool:
     except UnknownSiteError:
         return False
     return parsed.kind == "layer" or site in CAPTURABLE_OUTSIDE_LAYERS
-
-
-def _check_fields(obj: Any, what: str, fields: dict[str, Any]) -> None:
-    """A spec's data is an object with its first field and no unknown ones."""
-    first = next(iter(fields))
-    if not isinstance(obj, dict) or first not in obj:
-        raise WireError(f"{what}: expected {{{', '.join(fields)}}} with {first}")
-    unknown = [k for k in obj if k not in fields]
-    if unknown:
-        raise WireError(
-            f"{what}: unknown fields {[str(k) for k in unknown][:5]}; the fields are "
-            f"{', '.join(fields)}"
-        )
-
-
-def _validated(cls: type[BaseModel], what: str, fields: dict[str, Any]) -> Any:
-    """`cls(**fields)` with pydantic's validation errors as one WireError naming each field."""
-    try:
-        return cls(**fields)
-    except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            message = str(error["msg"]).removeprefix("Value error, ")
-            field_name = str(error["loc"][0]) if error["loc"] else ""
-            problems.append(
-                f"{what}.{message}"
-                if not field_name or message.startswith(field_name)
-                else f"{what}.{field_name}: {message}"
-            )
-        raise WireError("; ".join(problems)) from None
-    except (TypeError, ValueError) as exc:  # e.g. torch refusing a vector's values
-        raise WireError(f"{what}: {exc}") from None
