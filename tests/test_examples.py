@@ -180,3 +180,18 @@ def test_ablate_a_direction(llm, tmp_path) -> None:
     assert abs(result["ablated_sentiment_gap"]) < abs(result["sentiment_gap"])
     assert llm.steering.active == []
     assert_pngs(result["png"])
+
+
+def test_probe_gates_steering(llm, tmp_path) -> None:
+    result = example("probe_gates_steering").run(llm, tmp_path)
+    fired, moved = result["fired"], result["moved"]
+    for label in ("positive", "negative"):
+        # the residual moved exactly at the tokens the probe read as negative...
+        assert moved[label] == fired[label]
+    # ... which were some tokens, not all: the gate opened and closed
+    every = fired["positive"] + fired["negative"]
+    assert any(every) and not all(every)
+    # the probe reads the sentiment word: "loved" above the gate, "hated" below it
+    assert result["scores"]["positive"][1] > 0 > result["scores"]["negative"][1]
+    assert result["gated"] != result["plain"]
+    assert_pngs(result["png"])

@@ -259,6 +259,7 @@ class SteeringPlanner:
         buffers.active = bool(requests)
         buffers.steered_hosts = frozenset()
         buffers.probing, buffers.probed_sites = False, frozenset()
+        self.probe_reads = []  # until `write` lays this step out (a step of no tokens does not)
         if not requests:
             self.plan_ = None
             return False
