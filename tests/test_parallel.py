@@ -33,6 +33,19 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+# a probe on each stage of the PP=2 split (layers 0-1 | 2-3), the first gating a steering on its
+# own stage
+PROBES = [
+    vinterp.Probe(
+        "layers.0.output", torch.randn(2, 256, generator=torch.Generator().manual_seed(4)), name="a"
+    ),
+    vinterp.Probe(
+        "layers.3.output", torch.randn(256, generator=torch.Generator().manual_seed(5)), name="b"
+    ),
+]
+GATED = vinterp.Steering(
+    STEERING.vectors, scale=3.0, when=vinterp.When(probe="a", above=0.0, output=1)
+)
 HEAD_CAPTURE = vinterp.Capture(["layers.1.attn.k", "layers.3.attn.heads"], positions="all")
 PATTERN_CAPTURE = vinterp.Capture(["layers.0.attn.pattern", "layers.3.attn.pattern"], heads=[3, 1])
 
@@ -45,8 +58,10 @@ def fast_path_results(llm):
     heads = llm.generate(PROMPTS[:2], capture=HEAD_CAPTURE, **SAMPLING)
     # prompts of different lengths: their pattern rows are as wide as each prompt
     patterns = llm.generate(PROMPTS, capture=PATTERN_CAPTURE, **SAMPLING)
-    captures = [o.captures for o in (*outs, *heads, *patterns)]
-    return [o.token_ids for o in outs], captures, (first, last)
+    probed = llm.generate(PROMPTS, probes=PROBES, steering=GATED, **SAMPLING)
+    captures = [o.captures for o in (*outs, *heads, *patterns)] + [o.probes for o in probed]
+    tokens = [o.token_ids for o in outs] + [o.token_ids for o in probed]
+    return tokens, captures, (first, last)
 
 
 MIDDLE = 2
@@ -275,7 +290,8 @@ def test_parallel_equals_single_worker(
 def assert_fast_path_equal(got: tuple, want: tuple, unsteered: list) -> None:
     tokens, captures, saves = got
     want_tokens, want_captures, want_saves = want
-    assert tokens == want_tokens and tokens != unsteered  # steered, on every stage
+    # steered on every stage (the probed and gated runs' tokens follow the steered ones)
+    assert tokens == want_tokens and tokens[: len(unsteered)] != unsteered
     for got, want in zip(captures, want_captures):
         assert list(got) == list(want)  # every stage's sites, merged
         for site in want:
@@ -316,6 +332,11 @@ def test_pipeline_impossible_order_fails_before_running(
         with llm.trace(PROMPTS[0], max_tokens=1):
             lens = llm.unembed(llm.layers[0].output)
             llm.layers[1].output = llm.layers[1].output + lens[:, :1]
+    across = vinterp.Steering(
+        {"layers.2.output": STEERING.vectors["layers.1.output"]}, when={"probe": "a", "above": 0}
+    )
+    with pytest.raises(ValueError, match="different pipeline stages"):
+        llm.generate(PROMPTS[0], probes=PROBES, steering=across)
     tokens, _, saves = fast_path_results(llm)
     assert tokens == single_worker_fast[0]
     assert rel_err(saves[0], single_worker_fast[2][0]) < 1e-5

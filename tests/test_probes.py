@@ -97,6 +97,11 @@ def test_gating_checks_name_the_problem() -> None:
     assert "no probe named 'p'" in gating_misfit([], [gate(GATED)], ORDER)
     assert "has 1 output" in gating_misfit([p], [gate(GATED, output=1)], ORDER)
     assert "two probes are named" in gating_misfit([p, p], [], ORDER)
+    # pipeline stages of layers 0 | 1-2: a probe's scores stay on its stage
+    staged = gating_misfit([p], [gate("layers.2.output")], ORDER, stage_starts=(0, 1))
+    assert staged is None
+    early = Probe(PROBED, torch.ones(H), name="p")
+    assert "different pipeline stages" in gating_misfit([early], [gate(GATED)], ORDER, (0, 1))
     other = Steering({GATED: vector}, when={"probe": "p", "above": 1.0})
     assert "share one when=" in gating_misfit([p], [gate(GATED), other], ORDER)
     # the workers refuse the same, and a gated global or named steering

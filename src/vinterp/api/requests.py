@@ -20,6 +20,7 @@ from vinterp.api.front_end import TraceFrontEnd
 from vinterp.api.sae_sites import check_sae_capture
 from vinterp.engine.outputs import Output
 from vinterp.engine.sampling import sampling_kwargs
+from vinterp.engine.vllm_boundary.parallel import stage_starts
 from vinterp.errors import CaptureWriteError, InterventionError
 from vinterp.sae import SAE
 from vinterp.sae.steering import feature_steering_misfit
@@ -110,17 +111,17 @@ def check_steering(
 
 
 def check_probes(
-    probes: list[Probe], steering: list[Steering], config: Any, order: SiteOrder
+    probes: list[Probe], steering: list[Steering], config: Any, order: SiteOrder, stages: int = 1
 ) -> None:
-    """A request's probes against the model, and the gates of its steerings; ValueError
-    naming the field."""
+    """A request's probes against the model (of `stages` pipeline stages), and the gates of
+    its steerings; ValueError naming the field."""
     for probe in probes:
         if not isinstance(probe, Probe):
             raise TypeError(f"probes: expected vinterp.Probe items, got {type(probe).__name__}")
         misfit = probe_misfit(probe, int(config.num_hidden_layers), int(config.hidden_size))
         if misfit is not None:
             raise ValueError(misfit)
-    misfit = gating_misfit(probes, steering, order)
+    misfit = gating_misfit(probes, steering, order, stage_starts(order.num_layers, stages))
     if misfit is not None:
         raise ValueError(misfit)
 
@@ -177,7 +178,7 @@ def prepare(
             check_sae_capture(llm.saes, cap, req.capture_sites)
             req.capture, req.capture_id = cap, uuid.uuid4().hex
         req.probes = list(request.probes if request.probes is not None else probes or [])
-        check_probes(req.probes, req.steering, llm.config, order)
+        check_probes(req.probes, req.steering, llm.config, order, llm.pipeline_parallel_size)
         if req.probes and not req.capture_id:
             req.capture_id = uuid.uuid4().hex
         prepared.append(req)

@@ -17,7 +17,7 @@ from vinterp.engine.vllm_boundary.engine_config import (
     runner_config,
     worker_runner,
 )
-from vinterp.engine.vllm_boundary.parallel import last_stage_start, worker_layout
+from vinterp.engine.vllm_boundary.parallel import last_stage_start, stage_starts, worker_layout
 from vinterp.engine.vllm_boundary.runner_hooks import instrument, runner_kind
 from vinterp.engine.vllm_boundary.site_modules import held_site_ids, install_vllm_sites
 from vinterp.engine.vllm_boundary.targets import check_boundary
@@ -92,6 +92,7 @@ def install_on_runner(runner: Any, settings: EngineSettings) -> None:
         capture,
         check=None if counters is None else AppliedCheck(counters, held, order),
         held=held,
+        stage_starts=stage_starts(order.num_layers, parallel.pipeline_size),
     )
     runtime = WorkerRuntime.of(parts)
     instrument(runner, runtime, calls)

@@ -247,20 +247,19 @@ def decode_request(
     order: SiteOrder,
     hidden_size: int,
     saes: Mapping[str, SAE],
-    held: frozenset[int] | None = None,
+    stage_starts: Sequence[int] = (0,),
 ) -> WorkerRequest:
-    """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict); `held`:
-    the sites this worker runs (a pipeline stage's; None: all)."""
+    """A request's `extra_args[EXTRA_ARGS_KEY]`, decoded once (cached in that dict);
+    `stage_starts`: the first layer of each pipeline stage."""
     cached = extra.get("_decoded") if isinstance(extra, dict) else None
     if cached is None:
         specs = RequestSpecs.from_wire(extra)
         capture = None
         if specs.capture is not None:
             capture = WorkerCapture.of(specs.capture_id, specs.capture, order)
-        misfit = gating_misfit(specs.probes, specs.steering, order)
+        misfit = gating_misfit(specs.probes, specs.steering, order, stage_starts)
         for probe in specs.probes:
             misfit = misfit or probe_misfit(probe, order.num_layers, hidden_size)
-        misfit = misfit or _gate_across_stages(specs.probes, specs.steering, order, held)
         if misfit is not None:
             raise WireError(misfit)
         probes = {p.name: WorkerProbe.shared(p) for p in specs.probes}
@@ -274,27 +273,3 @@ def decode_request(
         )
         extra["_decoded"] = cached
     return cached
-
-
-def _gate_across_stages(
-    probes: Sequence[Probe],
-    steering: Sequence[Steering],
-    order: SiteOrder,
-    held: frozenset[int] | None,
-) -> str | None:
-    """A gate whose probe another pipeline stage reads (its scores do not cross stages)."""
-    if held is None:
-        return None
-    named = {p.name: p for p in probes}
-    for spec in steering:
-        if spec.when is None:
-            continue
-        probe_site = named[spec.when.probe].site
-        for site in spec.vectors:
-            if (order[site] in held) != (order[probe_site] in held):
-                return (
-                    f"steering.when: probe {spec.when.probe!r} at {probe_site} and the site it "
-                    f"gates, {site}, run on different pipeline stages; gate a site of the "
-                    "probe's stage"
-                )
-    return None

@@ -46,9 +46,12 @@ class WorkerInterventions:
         hidden_size: int,
         saes: SaeRegistry,
         held: frozenset[int] | None = None,
+        stage_starts: tuple[int, ...] = (0,),
     ) -> None:
-        """`held`: the sites this worker runs (a pipeline stage's; None: all)."""
+        """`held`: the sites this worker runs (a pipeline stage's; None: all); `stage_starts`:
+        the first layer of each pipeline stage."""
         self.order, self.hidden_size, self.saes, self.held = order, hidden_size, saes, held
+        self.stage_starts = stage_starts
         self.keeps_results = keeps_results  # TP: one rank records, the others skip the copies
         self.global_steering: list[WorkerSteering] = []
         self.named: dict[str, WorkerSteering] = {}
@@ -84,7 +87,9 @@ class WorkerInterventions:
 
     def decode(self, extra: dict[str, Any]) -> WorkerRequest:
         """A request's steering, capture and trace invoke (checked; decoded once)."""
-        return decode_request(extra, self.order, self.hidden_size, self.saes.saes, self.held)
+        return decode_request(
+            extra, self.order, self.hidden_size, self.saes.saes, self.stage_starts
+        )
 
     def steering_for(self, request: WorkerRequest | None) -> list[WorkerSteering]:
         """Every steering of a request: global, then its named ones, then its own."""

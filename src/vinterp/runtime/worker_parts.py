@@ -54,8 +54,10 @@ def build_parts(
     capture: CaptureBuffers | None = None,
     check: AppliedCheck | None = None,
     held: frozenset[int] | None = None,
+    stage_starts: tuple[int, ...] = (0,),
 ) -> WorkerParts:
-    """`held`: the sites this worker's model runs (a pipeline stage's; None: all)."""
+    """`held`: the sites this worker's model runs (a pipeline stage's; None: all);
+    `stage_starts`: the first layer of each pipeline stage."""
     tp = TensorParallel(parallel)
     # TP ranks hold the same values: the first of each stage keeps saves and captures
     keeps_results = parallel.tp_rank == 0
@@ -71,7 +73,9 @@ def build_parts(
     traces = TraceDispatch(
         order, steer.add.device, functions, last_stage_start, keeps_results, model
     )
-    interventions = WorkerInterventions(keeps_results, order, steer.add.shape[1], saes, held)
+    interventions = WorkerInterventions(
+        keeps_results, order, steer.add.shape[1], saes, held, stage_starts
+    )
     steering = SteeringPlanner(steer, order, saes)
     tracker = RequestTracker(partial(describe, interventions, capture, order))
     return WorkerParts(

@@ -48,9 +48,10 @@ class FieldError(WireError):
     """A `vinterp` field that is malformed or does not fit the served model."""
 
 
-def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
-    """The request's steering, capture and probes, checked against the model (HF `config`)
-    and the server's `named` steerings; raises only WireError (FieldError is one)."""
+def parse_field(value: Any, config: Any, named: Any = (), stages: int = 1) -> Prepared:
+    """The request's steering, capture and probes, checked against the model (HF `config`,
+    `stages` pipeline stages) and the server's `named` steerings; raises only WireError
+    (FieldError is one)."""
     if not isinstance(value, dict) or not set(value) <= {"steering", "capture", "probes"}:
         raise FieldError("vinterp: expected {steering: ..., capture: ..., probes: ...}")
     prepared = Prepared(prompt=[], sampling={})
@@ -83,7 +84,8 @@ def parse_field(value: Any, config: Any, named: Any = ()) -> Prepared:
     if value.get("probes") is not None:
         prepared.probes = probes_from_data(value["probes"], Probe.from_json)
         try:
-            check_probes(prepared.probes, prepared.steering, config, site_order(config))
+            order = site_order(config)
+            check_probes(prepared.probes, prepared.steering, config, order, stages)
         except ValueError as exc:
             raise FieldError(f"vinterp.{exc}") from None
         prepared.capture_id = prepared.capture_id or uuid.uuid4().hex
@@ -127,7 +129,10 @@ async def vinterp_fields(request: Request, call_next: Any) -> Response:
     try:
         served = getattr(request.app.state, "vinterp_steering", None)
         named = served.named if served is not None else {}
-        prepared = parse_field(body.pop(FIELD), engine_config(engine).hf_config, named)
+        facts = engine_config(engine)
+        prepared = parse_field(
+            body.pop(FIELD), facts.hf_config, named, facts.pipeline_parallel_size
+        )
         several = _many_prompts(body) or body.get("n") not in (None, 1)
         if prepared.capture_id and (body.get("stream") or several):
             what = "capture" if prepared.capture is not None else "probes"

@@ -177,9 +177,14 @@ def shared_gate_misfit(steering: Steering) -> str | None:
 
 
 def gating_misfit(
-    probes: Sequence[Probe], steering: Sequence[Steering], order: SiteOrder
+    probes: Sequence[Probe],
+    steering: Sequence[Steering],
+    order: SiteOrder,
+    stage_starts: Sequence[int] = (0,),
 ) -> str | None:
-    """What is wrong with a request's probes and the gates (`when=`) of its own steerings."""
+    """What is wrong with a request's probes and the gates (`when=`) of its own steerings;
+    `stage_starts`: the first layer of each pipeline stage (a probe's scores do not cross
+    stages)."""
     named = {}
     for probe in probes:
         if probe.name in named:
@@ -208,6 +213,12 @@ def gating_misfit(
                     f"{site} in the forward pass; a gate's probe must be at or before the "
                     "sites it gates"
                 )
+            if _stage(probe.site, stage_starts) != _stage(site, stage_starts):
+                return (
+                    f"steering[{k}].when: probe {when.probe!r} at {probe.site} and {site}, "
+                    "which it gates, run on different pipeline stages; gate a site of the "
+                    "probe's stage"
+                )
             gate = (when.probe, when.output, when.above, when.below)
             if gates.setdefault(site, gate) != gate:
                 return (
@@ -216,3 +227,9 @@ def gating_misfit(
                     "one when="
                 )
     return None
+
+
+def _stage(site: str, stage_starts: Sequence[int]) -> int:
+    """The pipeline stage that runs a layer site."""
+    layer = parse_site(site).layer or 0
+    return sum(start <= layer for start in stage_starts) - 1

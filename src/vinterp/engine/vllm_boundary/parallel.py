@@ -63,6 +63,15 @@ def last_stage_start(num_layers: int, pipeline_size: int) -> int | None:
     return get_pp_indices(num_layers, pipeline_size - 1, pipeline_size)[0]
 
 
+def stage_starts(num_layers: int, pipeline_size: int) -> tuple[int, ...]:
+    """The first layer of each pipeline stage (vLLM's own split); (0,) without stages."""
+    if pipeline_size == 1:
+        return (0,)
+    from vllm.distributed.utils import get_pp_indices
+
+    return tuple(get_pp_indices(num_layers, r, pipeline_size)[0] for r in range(pipeline_size))
+
+
 def received_trace_values(received: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Take vinterp's values (bytes, index) out of the IntermediateTensors a stage received
     (vLLM's V1 runner copies every key it gets into its own buffers). The keys are known
