@@ -17,7 +17,7 @@ PROMPTS = [
     "def add(a, b):",
     "Water boils at",
 ]
-COMPILED_SITE = "layers.1.output"  # the engine's probe_sites
+COMPILED_SITE = "layers.1.output"  # the engine's probe_sites, with GATED_SITE
 OTHER_SITE = "layers.2.mlp.output"  # probed in uncompiled steps
 GATED_SITE = "layers.2.output"
 TOKENS = 6
@@ -35,7 +35,7 @@ def make_probe(site: str, outputs: int, seed: int, name: str) -> vinterp.Probe:
 
 @pytest.fixture(scope="module")
 def compiled(engines, tiny_llama):
-    return engines.vllm(tiny_llama, probe_sites=COMPILED_SITE)
+    return engines.vllm(tiny_llama, probe_sites=(COMPILED_SITE, GATED_SITE))
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,9 @@ def test_gated_steering_equals_hf(compiled, hf, site) -> None:
     outs = compiled.generate(
         PROMPTS, max_tokens=TOKENS, probes=[gate], steering=gated, use_tqdm=False
     )
-    if site == COMPILED_SITE:
-        assert compiled.step_stats()["uncompiled_steps"] == before
+    # compiled where the probe and the gated site are both probe_sites
+    compiled_steps = compiled.step_stats()["uncompiled_steps"] == before
+    assert compiled_steps == (site == COMPILED_SITE)
     refs = hf.generate(PROMPTS, max_tokens=TOKENS, probes=[gate], steering=gated, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
     for out, ref in zip(outs, refs):

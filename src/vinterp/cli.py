@@ -492,8 +492,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         type=lambda text: [s for s in text.split(",") if s],
         metavar="SITES",
-        help="score probes at the comma-separated SITES inside the compiled model, gates "
-        "compiled at every site (as vinterp.LLM(probe_sites=[sites]))",
+        help="score probes and gate steering at the comma-separated SITES inside the compiled "
+        "model (as vinterp.LLM(probe_sites=[sites]))",
     )
     defaults = ServeLimits()
     for flag, field, what in (

@@ -1,11 +1,11 @@
 """Probes and gated steering under CUDA graphs in bf16 (how to run: tests/gpu/conftest.py).
 
-One engine with vLLM's defaults and `probe_sites` at a layer before the middle: probing and
-gating steps stay compiled; a probe changes no token; its scores are the product of the site's
-captured rows with the probe at the prompts' tokens (within the compiled-vs-eager bf16
-distance: the captures are taken in uncompiled steps); a gate that is always open gives the
-steering's tokens, one that is always closed the unsteered ones, and one at the median of the
-scores lies between.
+One engine with vLLM's defaults and `probe_sites` at a layer before the middle (the probe) and
+at the middle (the gated steering): probing and gating steps stay compiled; a probe changes no
+token; its scores are the product of the site's captured rows with the probe at the prompts'
+tokens (within the compiled-vs-eager bf16 distance: the captures are taken in uncompiled
+steps); a gate that is always open gives the steering's tokens, one that is always closed the
+unsteered ones, and one at the median of the scores lies between.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def results(gpu, report):
     from transformers import AutoConfig
 
     layers = int(AutoConfig.from_pretrained(str(report.model)).num_hidden_layers)
-    kwargs = {"max_model_len": MAX_MODEL_LEN, "probe_sites": f"layers.{layers // 2 - 2}.output"}
+    probe_sites = [f"layers.{layers // 2 - 2}.output", f"layers.{layers // 2}.output"]
+    kwargs = {"max_model_len": MAX_MODEL_LEN, "probe_sites": probe_sites}
     done = report.kept(
         "probes-graphs",
         lambda: gpu.vinterp_engine(report.model, lambda llm: probed(llm, gpu), **kwargs),

@@ -124,9 +124,9 @@ class LLM(LocalModel):
     `sae_steering_hosts` (a site, a glob or a list; default none) names the SAE hosts whose
     feature steering stays in the compiled graph, with tables of `sae_steering_features`
     (default 32) features per host (API.md section 5, "Sparse autoencoders").
-    `probe_sites` (a site, a glob or a list; default none) names the sites whose probes are
-    scored in the compiled graph, and compiles the gates of `Steering(when=...)` into every
-    site (API.md section 5, "Probes").
+    `probe_sites` (a site, a glob or a list; default none) names the sites where probes are
+    scored and `Steering(when=...)` is gated in the compiled graph (API.md section 5,
+    "Probes").
 
     Both backends: `num_layers=N` builds and loads only layers 0..N-1 (what an extraction
     that stops at layer N-1 needs; `llm.config.num_hidden_layers` is then N, and the logits

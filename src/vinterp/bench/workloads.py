@@ -273,14 +273,20 @@ def vinterp_workloads(llm: Any) -> list[tuple[str, str, dict[str, Any]]]:
     ]
 
 
+def probe_sites(config: Any) -> tuple[str, str]:
+    """Where the probe rows probe (the steering rows' site) and steer (one layer later): the
+    probe engine's `probe_sites`."""
+    layer = int(config.num_hidden_layers) // 3
+    return f"layers.{layer}.output", f"layers.{layer + 1}.output"
+
+
 def probe_workloads(llm: Any, vector: torch.Tensor) -> list[tuple[str, str, dict[str, Any]]]:
     """A probe of one output at the steering rows' site, scored at every token of every
     request; and the steering row's vector added one layer later only where that probe's
     score is above 0 (about half the tokens)."""
     import vinterp
 
-    site = host_site(llm.config)
-    later = f"layers.{int(llm.config.num_hidden_layers) // 3 + 1}.output"
+    site, later = probe_sites(llm.config)
     probe = vinterp.Probe(site, vector / vector.norm(), name="bench")
     gated = vinterp.Steering(
         {later: vector}, scale=4.0, when=vinterp.When(probe="bench", above=0.0)
@@ -488,9 +494,9 @@ def one_worker_rows(
             engines.append(
                 vinterp_bench_engine(start, texts, max_tokens, plain_keys, invokes, repeats, suffix)
             )
-        if probe_keys:  # probe_sites adds the gate's ops at every site: not for the other rows
+        if probe_keys:  # probe_sites adds ops at two sites: not for the other rows
             start = partial(
-                vinterp_engine, model, dtype, probe_sites=host_site(config), **engine_kwargs
+                vinterp_engine, model, dtype, probe_sites=probe_sites(config), **engine_kwargs
             )
             engines.append(vinterp_bench_engine(start, texts, max_tokens, probe_keys, 0, repeats))
         workloads, timings, extra = time_engines(engines, repeats, together)

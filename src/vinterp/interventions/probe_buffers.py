@@ -13,9 +13,10 @@ a threshold; at every site
     delta += passes[t] * (what the gated row adds)
 
 so the decision is made per token inside the step (a probe is read at or before the sites it
-gates). Slot 0 and row 0 are zero. The compiled model computes scores only at the sites named
-at engine start (`probe_sites`); a step that probes elsewhere, or needs more slots or rows than
-the buffers hold, runs uncompiled with tables of the same form.
+gates). Slot 0 and row 0 are zero. The compiled model carries both formulas only at the sites
+named at engine start (`probe_sites`), so every other site costs what it costs without probes;
+a step that probes or gates elsewhere, or needs more slots or rows than the buffers hold, runs
+uncompiled with tables of the same form, at the sites it probes and gates.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class SteerBuffers(nn.Module):
     ) -> None:
         """`feature_hosts`: the sites whose SAE feature steering is compiled, `features_per_host`
         features each (none: steps that steer features run uncompiled); `probe_sites`: the
-        sites whose probes are compiled (none: steps with probes or gates run uncompiled)."""
+        sites whose probes and gated steering are compiled (a step with probes or gates
+        elsewhere runs uncompiled)."""
         super().__init__()
         self.counters = counters  # with the check on (`interventions.applied`)
 
@@ -115,7 +116,7 @@ class SteerBuffers(nn.Module):
             frozenset()
         )  # the hosts whose features this step steers
         self.probed_sites: frozenset[int] = frozenset()  # the sites this step's probes read
-        self.probing = False  # whether this step has probes or gated steering
+        self.gated_sites: frozenset[int] = frozenset()  # and those its gated steering steers
 
     def tables(self) -> SteerTables:
         """The tables this step reads; in a recorded graph always the persistent buffers."""
@@ -133,6 +134,17 @@ class SteerBuffers(nn.Module):
             features,
             probes,
         )
+
+    def _probe_sites(self) -> frozenset[int]:
+        """The sites that score probes or gate steering: in a recorded graph the engine's
+        `probe_sites`, in an uncompiled step those this step's probes read and gates steer."""
+        if ops_recorded():
+            return self.probes.sites if self.probes is not None else frozenset()
+        return self.probed_sites | self.gated_sites
+
+    def _scoring_sites(self) -> frozenset[int]:
+        """The sites that score probes (uncompiled: only where this step's probes read)."""
+        return self._probe_sites() if ops_recorded() else self.probed_sites
 
     def forward(
         self,
@@ -162,9 +174,8 @@ class SteerBuffers(nn.Module):
         hosts = self.features.hosts if compiled else self.steered_hosts  # type: ignore[union-attr]
         if t.features is not None and site_id in hosts:
             delta = delta + feature_delta(t.features, site, source, rows)
-        if t.probes is not None and (ops_recorded() or self.probing):
-            probed = self.probes.sites if ops_recorded() else self.probed_sites  # type: ignore[union-attr]
-            scores = probe_scores(t.probes, site, source, site_id in probed)
+        if t.probes is not None and site_id in self._probe_sites():
+            scores = probe_scores(t.probes, site, source, site_id in self._scoring_sites())
             gated = t.probes.gated_rows[combo, site]
             delta = delta + gate_passes(t.probes, scores, gated) * _vector_delta(
                 t, gated, source, norm

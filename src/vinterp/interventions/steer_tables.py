@@ -258,7 +258,7 @@ class SteeringPlanner:
         buffers.overflow = None
         buffers.active = bool(requests)
         buffers.steered_hosts = frozenset()
-        buffers.probing, buffers.probed_sites = False, frozenset()
+        buffers.probed_sites = buffers.gated_sites = frozenset()
         self.probe_reads = []  # until `write` lays this step out (a step of no tokens does not)
         if not requests:
             self.plan_ = None
@@ -276,6 +276,13 @@ class SteeringPlanner:
             self.order[host] for specs in specs_by_combo for spec in specs for host in spec.features
         )
         probed_sites = frozenset(self.order[p.probe.site] for p, _ in probes.values())
+        gated_sites = frozenset(
+            self.order[site]
+            for specs in specs_by_combo
+            for spec in specs
+            if spec.gate is not None
+            for site in spec.vectors
+        )
         if plan.loaded_key != self._loaded_key:
             vectors = _tables(specs_by_combo, self.order, buffers.add.shape[1])
             plan.site_rows, plan.gated_rows = vectors.site_rows, vectors.gated_rows
@@ -305,7 +312,7 @@ class SteeringPlanner:
                     plan.probes is not None
                     and (
                         probe_buffers is None
-                        or not probed_sites <= probe_buffers.sites  # a site not compiled
+                        or not probed_sites | gated_sites <= probe_buffers.sites  # not compiled
                         or not plan.probes.fits(probe_buffers.tables())
                     )
                 )
@@ -313,7 +320,7 @@ class SteeringPlanner:
             if plan.overflow:
                 self._loaded_key = None
         buffers.steered_hosts = plan.steered_hosts
-        buffers.probing, buffers.probed_sites = bool(probes), probed_sites
+        buffers.probed_sites, buffers.gated_sites = probed_sites, gated_sites
         self.plan_ = plan
         return plan.overflow
 
