@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vinterp.interventions.host_to_device import upload
+from vinterp.interventions.site_settings import site_list_setting
 from vinterp.sae import SAE
 from vinterp.sae.model import LAYER_NORM_EPS
 from vinterp.sites.names import STEERABLE, SiteOrder, UnknownSiteError, parse_site
@@ -51,19 +52,9 @@ def sae_steering_features_setting(value: object) -> int:
 
 
 def sae_steering_hosts_setting(value: object) -> list[str]:
-    """The engine setting `sae_steering_hosts` as the engine's config carries it (JSON): the
-    host sites (names or globs) whose SAE feature steering is compiled; None: none."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(
-        f"sae_steering_hosts={value!r}: give the sites whose SAE feature steering (clamp or "
-        "add) runs in the compiled model, e.g. 'layers.10.output' or ['layers.4.output', "
-        "'layers.*.mlp.output']"
-    )
+    """The engine setting `sae_steering_hosts`: the hosts whose SAE feature steering is
+    compiled."""
+    return site_list_setting("sae_steering_hosts", value, "SAE feature steering (clamp or add)")
 
 
 def sae_steering_host_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vinterp.interventions.host_to_device import upload
+from vinterp.interventions.site_settings import site_list_setting
 from vinterp.sites.names import SiteOrder, UnknownSiteError, is_steerable
 
 # The probe outputs the compiled buffers hold in a step (slot 0 aside)
@@ -34,18 +35,8 @@ PROBE_SLOTS = 16
 
 
 def probe_sites_setting(value: object) -> list[str]:
-    """The engine setting `probe_sites` as the engine's config carries it (JSON): the sites
-    (names or globs) whose probes run in the compiled model; None: none."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(
-        f"probe_sites={value!r}: give the sites whose probes run in the compiled model, e.g. "
-        "'layers.10.output' or ['layers.4.output', 'layers.*.mlp.output']"
-    )
+    """The engine setting `probe_sites`: the sites whose probes and gates are compiled."""
+    return site_list_setting("probe_sites", value, "probe scoring and gated steering")
 
 
 def probe_site_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
