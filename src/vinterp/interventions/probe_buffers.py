@@ -36,7 +36,7 @@ PROBE_SLOTS = 16
 
 def probe_sites_setting(value: object) -> list[str]:
     """The engine setting `probe_sites`: the sites whose probes and gates are compiled."""
-    return site_list_setting("probe_sites", value, "probe scoring and gated steering")
+    return site_list_setting("probe_sites", value, "probe scoring (and gating)")
 
 
 def probe_site_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
