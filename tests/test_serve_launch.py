@@ -48,15 +48,29 @@ def test_the_capture_in_graph_flag_reaches_the_engine_config(monkeypatch, flags,
     started: vLLM's serve command is replaced by one that keeps its arguments)."""
     seen = []
     monkeypatch.setattr(
-        launch, "serve", lambda model, host, port, key, rest, capture: seen.append((rest, capture))
+        launch,
+        "serve",
+        lambda model, host, port, key, rest, capture, probes: seen.append((rest, capture, probes)),
     )
     main(["serve", "m", *flags, "--max-model-len", "64"])
-    ((rest, capture),) = seen
-    assert rest == ["--max-model-len", "64"]
+    ((rest, capture, probes),) = seen
+    assert rest == ["--max-model-len", "64"] and probes is None
     settings = EngineSettings.from_keywords({"capture_in_graph": capture})
     argv = vllm_serve_argv("m", "h", 1, None, rest, settings)
     config = json.loads(argv[argv.index("--additional-config") + 1])
     assert config["vinterp_capture_in_graph"] == setting
+
+
+def test_the_probe_sites_flag_reaches_the_engine_config(monkeypatch) -> None:
+    """`vinterp serve --probe-sites SITES`: the sites whose probes and gates are compiled."""
+    seen = []
+    monkeypatch.setattr(launch, "serve", lambda *args: seen.append(args))
+    main(["serve", "m", "--probe-sites", "layers.1.output,layers.2.output"])
+    ((*_, probes),) = seen
+    settings = EngineSettings.from_keywords({"probe_sites": probes})
+    argv = vllm_serve_argv("m", "h", 1, None, [], settings)
+    config = json.loads(argv[argv.index("--additional-config") + 1])
+    assert config["vinterp_probe_sites"] == ["layers.1.output", "layers.2.output"]
 
 
 @pytest.mark.parametrize(
@@ -100,7 +114,7 @@ def test_the_command_line_is_read_as_vllm_serve_reads_it(monkeypatch, argv, mode
     seen = []
     monkeypatch.setattr(launch, "serve", lambda *args: seen.append(args))
     main(["serve", *argv])
-    ((got_model, _, got_port, _, got_rest, _),) = seen
+    ((got_model, _, got_port, _, got_rest, _, _),) = seen
     assert (got_model, got_rest, got_port) == (model, rest, port)
 
 
