@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vinterp.api.requests import check_steering
+from vinterp.interventions.probe_buffers import probe_site_ids, probe_sites_setting
 from vinterp.interventions.probe_tables import probe_reads
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import (
@@ -21,7 +22,7 @@ from vinterp.interventions.specs import (
 from vinterp.interventions.steer_buffers import SteerBuffers
 from vinterp.interventions.steer_tables import RequestSteering, SteeredRequest, SteeringPlanner
 from vinterp.interventions.worker_state import WorkerInterventions
-from vinterp.sites.names import SiteOrder
+from vinterp.sites.names import SiteOrder, UnknownSiteError
 from vinterp.wire.errors import WireError
 from vinterp.wire.probes import Probe, gating_misfit, probe_misfit, probe_store_name
 from vinterp.wire.request_specs import RequestSpecs
@@ -188,3 +189,13 @@ def test_a_step_of_no_tokens_reads_no_scores() -> None:
     assert [r.requests for r in state.probe_reads] == [[("a", "id-a", 0, 2)]]
     state.plan([])
     assert state.probe_reads == []
+
+
+def test_probe_sites_name_sites_of_the_residual_stream() -> None:
+    assert probe_site_ids(probe_sites_setting("layers.*.output"), ORDER) == frozenset(
+        ORDER[f"layers.{i}.output"] for i in range(3)
+    )
+    with pytest.raises(UnknownSiteError, match="probe_sites: embed.output cannot be probed"):
+        probe_site_ids(["embed.output"], ORDER)
+    with pytest.raises(TypeError, match="probe_sites=3: give the sites"):
+        probe_sites_setting(3)

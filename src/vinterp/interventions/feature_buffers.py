@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from vinterp.interventions.host_to_device import upload
-from vinterp.interventions.site_settings import site_list_setting
+from vinterp.interventions.site_settings import site_list_setting, steerable_site_ids
 from vinterp.sae import SAE
 from vinterp.sae.model import LAYER_NORM_EPS
-from vinterp.sites.names import STEERABLE, SiteOrder, UnknownSiteError, parse_site
+from vinterp.sites.names import SiteOrder
 
 # `norm` codes: how a slot's SAE normalises its input at run time
 NORMS = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
@@ -60,15 +60,8 @@ def sae_steering_hosts_setting(value: object) -> list[str]:
 def sae_steering_host_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
     """The ids of the `sae_steering_hosts` sites; a name that is not a site, or a site with no
     steering (an SAE host must be one), raises UnknownSiteError saying which are."""
-    sites = [site for pattern in setting for site in order.expand(pattern)]
-    for site in sites:
-        parsed = parse_site(site)
-        if parsed.kind != "layer" or parsed.sae or parsed.part not in STEERABLE:
-            raise UnknownSiteError(
-                f"sae_steering_hosts: {site} cannot host feature steering; the hosts are "
-                f"layers.{{i}}.{'|'.join(STEERABLE)}"
-            )
-    return frozenset(map(order.__getitem__, sites))
+    refusal = "cannot host feature steering; the hosts are"
+    return steerable_site_ids("sae_steering_hosts", setting, order, refusal)
 
 
 @dataclass

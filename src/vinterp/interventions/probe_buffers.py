@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from vinterp.interventions.host_to_device import upload
-from vinterp.interventions.site_settings import site_list_setting
-from vinterp.sites.names import SiteOrder, UnknownSiteError, is_steerable
+from vinterp.interventions.site_settings import site_list_setting, steerable_site_ids
+from vinterp.sites.names import SiteOrder
 
 # The probe outputs the compiled buffers hold in a step (slot 0 aside)
 PROBE_SLOTS = 16
@@ -41,14 +41,7 @@ def probe_sites_setting(value: object) -> list[str]:
 
 def probe_site_ids(setting: list[str], order: SiteOrder) -> frozenset[int]:
     """The ids of the `probe_sites`; a site that cannot be probed raises UnknownSiteError."""
-    sites = [site for pattern in setting for site in order.expand(pattern)]
-    for site in sites:
-        if not is_steerable(site):
-            raise UnknownSiteError(
-                f"probe_sites: {site} cannot be probed; probes read "
-                "layers.{i}.input|output|attn.output|mlp.output"
-            )
-    return frozenset(map(order.__getitem__, sites))
+    return steerable_site_ids("probe_sites", setting, order, "cannot be probed; probes read")
 
 
 @dataclass

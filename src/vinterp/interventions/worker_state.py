@@ -191,7 +191,7 @@ class WorkerInterventions:
                 parts.append((probe_id, list(range(first, first + end - start))))
             index = torch.tensor(rows, dtype=torch.long)
             slots = slice(read.first_slot, read.first_slot + probe.outputs)
-            values = scores.index_select(0, index.to(scores.device))[:, slots]
+            values = scores[:, slots].index_select(0, index.to(scores.device))
             self.store.add_gathered(probe_store_name(probe.name), SiteCapture(index, parts), values)
 
     def take_captures(
