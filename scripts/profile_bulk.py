@@ -20,6 +20,12 @@ mapping the worker's files, building columns, serializing, fsync and committing;
 file writes (GB/s); the GIL (a 1 ms sleeper's overshoot) and a 5 ms stack sampler's top
 frames per thread kind. The SAE's fixed costs (load, digest, attach) come first.
 
+The `mid` engine (`--engines plain,mid`) runs layers 0..L of an L = layers/2 extraction, as
+`vinterp extract` starts it: its own prefill (no capture: the floor), extraction of layer L at
+every prompt position (twice), of the prompts as token ids, into /dev/shm and with fsync off;
+per extraction the seconds before the first engine step (set-up, feed) and after the last
+(last writes, commit, reload), and the call's parts (open_job, finish, load_dataset).
+
 Probes only: nothing here changes what vinterp does, except the variants named above.
 """
 
@@ -176,6 +182,11 @@ def core_window(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str
     for r in busy:
         hooks.update(r.get("hooks_ms", {}))
     out["hooks_ms_per_step"] = {k: v / max(len(busy), 1) for k, v in hooks.items()}
+    if busy:  # the call's seconds before its first step and after its last one's end
+        last = busy[-1]
+        last_ms = max(last["host_ms"], last.get("gpu_ms") or 0.0)
+        out["before_first_step_s"] = busy[0]["t"] - t0
+        out["after_last_step_s"] = t1 - (last["t"] + last_ms / 1e3)
     if busy and busy[0].get("gpu_ms") is not None:
         out["gpu_busy_s"] = sum(r["gpu_ms"] for r in busy) / 1e3
         gaps = [
@@ -260,6 +271,12 @@ def install_front_end_probes() -> None:
     wrap(files, "sync_folder", "writer.fsync_folder")
     wrap(directory.ActivationStore, "add", "writer.commit (manifest+state, under the lock)")
     wrap(os, "fsync", "fsync (all)")
+    from vinterp.extraction import local
+
+    wrap(local, "open_job", "call.open_job (checks, spec, store open)")
+    wrap(local, "finish", "call.finish (mark complete)")
+    wrap(local, "load_dataset", "call.load_dataset (datasets.load_from_disk)")
+    wrap(writer.ShardWriter, "__exit__", "call.writers_exit (last writes + commit)")
 
 
 def probe_engine_loop(llm: Any) -> None:
@@ -349,7 +366,8 @@ def main() -> None:
         "--engines",
         default="plain,layers,bulk",
         help="plain (plain vLLM's times), layers (buffers at every layer: "
-        "generation rows, every layer at last_prompt), bulk (the profile)",
+        "generation rows, every layer at last_prompt), mid (layers 0..L extracting layer L), "
+        "bulk (the profile)",
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--records", default=None, help="copy the engine-core records here")
@@ -456,6 +474,8 @@ def main() -> None:
             after = llm.step_stats()
             info["uncompiled_steps"] = after.get("uncompiled", 0) - before.get("uncompiled", 0)
 
+    if "mid" in engines:
+        mid_engine(args, model, common, texts, warm, tokenizer, config, phases, extract, prefill)
     vector = vinterp.Steering({host: torch.full((int(config.hidden_size),), 0.01)}, scale=4.0)
     if "layers" in engines:
         kwargs = {**common, "capture_in_graph": "layers.*.output"}
@@ -581,6 +601,49 @@ def main() -> None:
     finish(args, results, phases, samplers, smi, smi_log, probe_dir)
 
 
+def mid_engine(
+    args: Any,
+    model: Any,
+    common: dict[str, Any],
+    texts: list[str],
+    warm: list[str],
+    tokenizer: Any,
+    config: Any,
+    phases: Phases,
+    extract: Any,
+    prefill: Any,
+) -> None:
+    """Extraction of layer L = layers/2 on an engine of layers 0..L, as `vinterp extract`
+    starts it (the bench's extract_mid_depth row), with its own no-capture prefill."""
+    import vinterp
+    from vinterp.extraction.request import engine_settings
+
+    middle = int(config.num_hidden_layers) // 2
+    site = f"layers.{middle}.output"
+    kwargs = {**common, **engine_settings([site]), "num_layers": middle + 1}
+    with phases.phase("mid: engine start", kwargs=str(kwargs)):
+        llm = vinterp.LLM(model, dtype=args.dtype, **kwargs)
+    probe_engine_loop(llm)
+    root = Path(tempfile.mkdtemp(prefix="vinterp-profile-mid-"))
+    llm.generate(warm, max_tokens=1, use_tqdm=False)
+    llm.extract(warm, site, out=root / "warm", use_tqdm=False)
+    shutil.rmtree(root / "warm", ignore_errors=True)
+    ids = tokenizer(texts).input_ids
+    prefill(llm, "mid: prefill (no capture)", texts)
+    extract(llm, "mid: extract.default", texts, root / "a", sites=site)
+    prefill(llm, "mid: prefill (no capture) again", texts)
+    extract(llm, "mid: extract.default again", texts, root / "b", sites=site)
+    extract(llm, "mid: extract.token_ids", ids, root / "c", sites=site)
+    with no_fsync():
+        extract(llm, "mid: extract.no_fsync", texts, root / "d", sites=site)
+    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 10e9:
+        shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        extract(llm, "mid: extract.dev_shm", texts, shm / "x", sites=site)
+        shutil.rmtree(shm, ignore_errors=True)
+    llm.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def finish(
     args: Any,
     results: dict[str, Any],
@@ -615,6 +678,12 @@ RATIOS = (  # (row, phase, plain phase)
         "plain: prefill",
     ),
     ("SAE top-k extraction", "sae: extract top-", "plain: prefill of the SAE prompts"),
+    ("mid: layers 0..L, no capture", "mid: prefill (no capture)", "plain: prefill"),
+    ("mid: extract layer L", "mid: extract.default", "plain: prefill"),
+    ("mid: extract layer L again", "mid: extract.default again", "plain: prefill"),
+    ("mid: extract of token ids", "mid: extract.token_ids", "plain: prefill"),
+    ("mid: extract into /dev/shm", "mid: extract.dev_shm", "plain: prefill"),
+    ("mid: extract, fsync off", "mid: extract.no_fsync", "plain: prefill"),
     ("generation, no intervention", "layers: gen none", "plain: generation"),
     ("generation, one steering vector", "layers: gen steer", "plain: generation"),
     ("generation, clamp 4 SAE features", "bulk: gen clamp", "plain: generation"),
@@ -662,6 +731,8 @@ def print_table(done: list[dict[str, Any]]) -> None:
                 line += f" gpu {core['gpu_busy_s']:.2f}s idle {core['gpu_idle_between_s']:.2f}s"
             line += f" host/step {core['host_ms_per_step']:.1f}ms"
             line += f" nowork {core['core_no_work_s']:.2f}s"
+            line += f" head {core['before_first_step_s']:.2f}s"
+            line += f" tail {core['after_last_step_s']:.2f}s"
         if "smi_util_mean" in info:
             line += f" smi {info['smi_util_mean']:.0f}%"
         print(line)
