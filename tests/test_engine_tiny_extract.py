@@ -213,6 +213,29 @@ def test_rows_equal_trace_saves_of_the_same_tokens(
             assert ((got - saved).abs().max() / saved.abs().max()).item() <= 1e-6
 
 
+def test_the_extraction_engine_steers_in_uncompiled_steps_as_the_reference_does(
+    engines: Any, tiny_llama: Any
+) -> None:
+    """Its compiled model holds no steering formula (`steering_in_graph=False`): unsteered
+    steps stay compiled, a steered request's steps run uncompiled and give the tokens the
+    transformers reference gives under the same steering."""
+    llm = engines.vllm(tiny_llama, **engine_settings(SITES))
+    vector = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    steering = vinterp.Steering({"layers.1.output": vector}, scale=8.0)
+    sampling = {"max_tokens": 4, "ignore_eos": True, "use_tqdm": False}
+    before = llm.step_stats()
+    plain = llm.generate(PROMPTS[:2], **sampling)
+    middle = llm.step_stats()
+    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
+    steered = llm.generate(PROMPTS[:2], steering=steering, **sampling)
+    after = llm.step_stats()
+    ran = {key: after[key] - middle[key] for key in ("steps", "uncompiled_steps")}
+    assert ran["uncompiled_steps"] == ran["steps"] > 0
+    want = engines.hf(tiny_llama).generate(PROMPTS[:2], steering=steering, **sampling)
+    assert [o.token_ids for o in steered] == [o.token_ids for o in want]
+    assert [o.token_ids for o in steered] != [o.token_ids for o in plain]
+
+
 def test_rows_equal_the_transformers_backends_with_one_prompt_queued_at_a_time(
     engines: Any, tiny_llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -642,3 +642,28 @@ def test_the_positions_a_capture_wants_in_a_step_are_those_it_selects_one_by_one
     assert list(cap.wanted(first, count, prompt_len)) == [
         p for p in window if cap.wants(p, prompt_len)
     ]
+
+
+def test_an_engine_without_steering_in_its_graph_steers_in_uncompiled_steps(monkeypatch) -> None:
+    """`steering_in_graph=False`: what a graph records at a site is the value unchanged, even
+    with a steered request's tables loaded; every step that steers is planned uncompiled and
+    steered there as on an engine with the formula; an unsteered step stays compiled."""
+    from vinterp.interventions import graph_recording
+
+    buffers = SteerBuffers(len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu", in_graph=False)
+    planner = SteeringPlanner(buffers, ORDER, SaeRegistry("cpu", torch.float32))
+    site_id, site = site_index(SITE)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
+    assert not planner.plan([])
+    assert planner.plan([request("a", range(3), 3, [steer("all")])])  # uncompiled
+    planner.write(lambda: [("a", 0, 3)], 3)
+    assert torch.equal(buffers(site_id, site, x), x + 2.0)
+
+    monkeypatch.setattr(graph_recording, "_cuda_graphs_possible", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert torch.equal(buffers(site_id, site, x), x)  # nothing recorded
+    with_formula = SteerBuffers(len(ORDER.sites), H, 16, 8, 8, torch.float32, "cpu")
+    compiled = SteeringPlanner(with_formula, ORDER, SaeRegistry("cpu", torch.float32))
+    assert not compiled.plan([request("a", range(3), 3, [steer("all")])])
+    compiled.write(lambda: [("a", 0, 3)], 3)
+    assert torch.equal(with_formula(site_id, site, x), x + 2.0)  # recorded, and steered

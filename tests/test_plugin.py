@@ -186,6 +186,23 @@ def test_engine_settings_reach_the_workers_as_given_and_bad_ones_fail_at_once() 
             EngineSettings.from_keywords(bad, config=config)
 
 
+def test_steering_in_graph_is_a_bool_and_excludes_the_formulas_that_are_part_of_it() -> None:
+    """Off, it reaches the workers; a non-bool, or off beside SAE steering hosts or probe
+    sites (their formulas are part of the steering formula), is refused naming the setting."""
+    from vinterp.engine.settings import EngineSettings
+
+    assert EngineSettings.from_keywords({}).steering_in_graph is True
+    off = EngineSettings.from_keywords({"steering_in_graph": False})
+    assert EngineSettings.of_config(off.to_config()).steering_in_graph is False
+    for bad, named in [
+        ({"steering_in_graph": "no"}, "steering_in_graph='no': give True or False"),
+        ({"steering_in_graph": False, "sae_steering_hosts": "layers.0.output"}, "sae_steering"),
+        ({"steering_in_graph": False, "probe_sites": "layers.0.output"}, "probe_sites"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=named):
+            EngineSettings.from_keywords(bad)
+
+
 def test_an_engine_of_the_first_layers_skips_the_checkpoints_later_ones() -> None:
     unused = beyond(2)
     kept = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"]

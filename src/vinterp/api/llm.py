@@ -126,7 +126,10 @@ class LLM(LocalModel):
     (default 32) features per host (API.md section 5, "Sparse autoencoders").
     `probe_sites` (a site, a glob or a list; default none) names the sites where probes are
     scored and `Steering(when=...)` is gated in the compiled graph (API.md section 5,
-    "Probes").
+    "Probes"). `steering_in_graph=False` leaves the steering formula out of the compiled
+    model: an engine that only captures and extracts saves its price at every site (large in
+    prefill steps); a steered request still gets its steering, in uncompiled steps. The
+    engines `extract` starts are made so.
 
     Both backends: `num_layers=N` builds and loads only layers 0..N-1 (what an extraction
     that stops at layer N-1 needs; `llm.config.num_hidden_layers` is then N, and the logits

@@ -43,6 +43,7 @@ _KEYS = {
     "sae_steering_features": "vinterp_sae_steering_features",
     "num_layers": "vinterp_num_layers",
     "probe_sites": "vinterp_probe_sites",
+    "steering_in_graph": "vinterp_steering_in_graph",
 }
 
 # The keywords of `vinterp.LLM` that only a compiled model has (the HF backend drops them)
@@ -53,6 +54,7 @@ GRAPH_KEYWORDS = (
     "sae_steering_hosts",
     "sae_steering_features",
     "probe_sites",
+    "steering_in_graph",
 )
 
 
@@ -60,7 +62,8 @@ GRAPH_KEYWORDS = (
 class EngineSettings:
     """What makes a vLLM engine a vinterp one (`vinterp.LLM`'s docstring says what each does):
     `capture_buffers` are the sites with capture buffers in the compiled model (True: every
-    site), the SAE steering hosts among them."""
+    site), the SAE steering hosts among them; `steering_in_graph=False` leaves the steering
+    formula out of the compiled model (an engine that only extracts)."""
 
     site_paths: Mapping[str, str] = field(default_factory=dict)
     capture_buffers: bool | tuple[str, ...] = False
@@ -70,6 +73,7 @@ class EngineSettings:
     sae_steering_features: int = SAE_STEERING_FEATURES
     num_layers: int | None = None
     probe_sites: tuple[str, ...] = ()
+    steering_in_graph: bool = True
 
     @classmethod
     def from_keywords(
@@ -97,7 +101,13 @@ class EngineSettings:
             ),
             engine_kwargs.pop("num_layers", None),
             tuple(probe_sites_setting(engine_kwargs.pop("probe_sites", None))),
+            steering_in_graph_setting(engine_kwargs.pop("steering_in_graph", True), hosts),
         )
+        if not settings.steering_in_graph and settings.probe_sites:
+            raise ValueError(
+                "probe_sites: probes and gates are part of the steering formula, which "
+                "steering_in_graph=False leaves out of the compiled model; drop one of the two"
+            )
         if config is not None:
             order = site_order(config)
             buffer_site_ids(settings.capture_setting, order)
@@ -123,6 +133,7 @@ class EngineSettings:
             "sae_steering_features": self.sae_steering_features,
             "num_layers": self.num_layers,
             "probe_sites": list(self.probe_sites),
+            "steering_in_graph": self.steering_in_graph,
         }
         return {_LAYOUT: SITES_LAYOUT_VERSION, **{_KEYS[k]: v for k, v in values.items()}}
 
@@ -144,7 +155,21 @@ class EngineSettings:
             values.get("sae_steering_features", SAE_STEERING_FEATURES),
             values.get("num_layers"),
             tuple(values.get("probe_sites") or ()),
+            bool(values.get("steering_in_graph", True)),
         )
+
+
+def steering_in_graph_setting(value: object, hosts: tuple[str, ...]) -> bool:
+    """`steering_in_graph` checked: a bool, and True where SAE steering hosts are named (their
+    feature steering is part of the formula)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"steering_in_graph={value!r}: give True or False")
+    if not value and hosts:
+        raise ValueError(
+            "sae_steering_hosts: feature steering is part of the steering formula, which "
+            "steering_in_graph=False leaves out of the compiled model; drop one of the two"
+        )
+    return value
 
 
 def _with_host_buffers(buffers: BufferSetting, hosts: tuple[str, ...]) -> bool | tuple[str, ...]:

@@ -59,6 +59,7 @@ def steer_buffers_for(
         feature_hosts=sae_steering_host_ids(list(settings.sae_steering_hosts), order),
         features_per_host=settings.sae_steering_features,
         probe_sites=probe_site_ids(list(settings.probe_sites), order),
+        in_graph=settings.steering_in_graph,
     )
 
 

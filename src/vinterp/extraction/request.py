@@ -196,12 +196,13 @@ def engine_settings(
     """`vinterp.LLM` keywords for an engine that extracts `sites` at `positions`: capture
     buffers at those sites, so capturing steps stay compiled (`vinterp extract` starts its
     engine this way); one step's tokens each, or one row per sequence for last_prompt. An SAE
-    site's buffer is its host's: the worker encodes the gathered rows after the step."""
+    site's buffer is its host's: the worker encodes the gathered rows after the step. Such an
+    engine never steers: no steering formula in its compiled model."""
     names = [sites] if isinstance(sites, str) else list(sites)
     hosts = [site if (sae := sae_site(site)) is None else sae.host for site in names]
     buffered = list(dict.fromkeys(hosts))
     rows = None if positions == "last_prompt" else "step"
-    return {"capture_in_graph": buffered, "capture_in_graph_rows": rows}
+    return {"capture_in_graph": buffered, "capture_in_graph_rows": rows, "steering_in_graph": False}
 
 
 def layers_needed(config: Any, sites: str | list[str]) -> int | None:

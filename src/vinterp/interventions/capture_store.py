@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vinterp.interventions.host_to_device import on_device
 from vinterp.interventions.tables import SiteCapture
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
@@ -95,7 +96,9 @@ class _Layout:
         if any(p.shape[-1] < width for p in pieces):
             pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in pieces]
         values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return values if self.rows is None else values.index_select(0, self.rows.to(values.device))
+        if self.rows is None:
+            return values
+        return values.index_select(0, on_device(self.rows, values.device))
 
 
 def site_block(

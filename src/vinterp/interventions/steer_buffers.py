@@ -77,12 +77,16 @@ class SteerBuffers(nn.Module):
         feature_hosts: frozenset[int] = frozenset(),
         features_per_host: int = SAE_STEERING_FEATURES,
         probe_sites: frozenset[int] = frozenset(),
+        in_graph: bool = True,
     ) -> None:
         """`feature_hosts`: the sites whose SAE feature steering is compiled, `features_per_host`
         features each (none: steps that steer features run uncompiled); `probe_sites`: the
         sites whose probes and gated steering are compiled (a step with probes or gates
-        elsewhere runs uncompiled)."""
+        elsewhere runs uncompiled); `in_graph=False`: the compiled model holds no steering
+        ops (every steered step runs uncompiled), as an engine that only extracts wants: at
+        a prefill step's thousands of tokens the formula at every site costs device time."""
         super().__init__()
+        self.in_graph = in_graph
         self.counters = counters  # with the check on (`interventions.applied`)
 
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -160,7 +164,7 @@ class SteerBuffers(nn.Module):
         along an ablated direction is removed (the residual stream when x is one of its two
         parts). An uncompiled step with no steering skips the ops (Python may decide there, but
         never while a graph records: `ops_recorded`)."""
-        if not ops_recorded() and not self.active:
+        if not (self.in_graph if ops_recorded() else self.active):
             return x
         t = self.tables()
         combo = t.token_combo[: x.shape[0]]

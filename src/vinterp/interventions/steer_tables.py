@@ -79,7 +79,8 @@ class SteerPlan:
     slots: ProbeSlots = field(default_factory=dict)  # this step's probes (`probe_tables`)
     probes: ProbeTables | None = None  # their tables and the gates, when key changed and any
     probed: Probed = field(default_factory=dict)  # the requests with probes
-    overflow: bool = False  # the tables do not fit the persistent buffers
+    overflow: bool = False  # the step runs uncompiled: its tables do not fit the buffers, or
+    # the compiled model holds no steering
 
     @property
     def loaded_key(self) -> tuple[Any, ...]:
@@ -253,7 +254,8 @@ class SteeringPlanner:
     probe_reads: list[ProbeRead] = field(default_factory=list)
 
     def plan(self, requests: list[SteeredRequest]) -> bool:
-        """Plan this step; True when it must run uncompiled (tables too large)."""
+        """Plan this step; True when it must run uncompiled (tables too large, or no steering
+        in the compiled model)."""
         buffers = self.buffers
         buffers.overflow = None
         buffers.active = bool(requests)
@@ -297,7 +299,8 @@ class SteeringPlanner:
                 specs_by_combo, plan.site_rows, len(plan.add), self.order, self.saes, width, slots
             )
             plan.overflow = (
-                len(plan.site_rows) > buffers.site_rows.shape[0]
+                not buffers.in_graph
+                or len(plan.site_rows) > buffers.site_rows.shape[0]
                 or len(plan.add) > buffers.add.shape[0]
                 or plan.ablate.shape[1] > buffers.ablate.shape[1]
                 or (

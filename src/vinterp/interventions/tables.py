@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vinterp.interventions.host_to_device import on_device
 from vinterp.interventions.specs import WorkerCapture
 from vinterp.sites.names import SiteOrder
 
@@ -38,7 +39,7 @@ class SiteCapture:
     def rows_on(self, device: torch.device) -> torch.Tensor:
         """`rows` on `device`, copied there once for all the sites that share them."""
         if device not in self._on_device:
-            self._on_device[device] = self.rows.to(device)
+            self._on_device[device] = on_device(self.rows, device)
         return self._on_device[device]
 
 

@@ -17,6 +17,7 @@ import torch
 from vinterp.interventions.capture_buffers import CaptureBuffers
 from vinterp.interventions.capture_files import FileWriter
 from vinterp.interventions.capture_store import CaptureStore
+from vinterp.interventions.host_to_device import on_device
 from vinterp.interventions.probe_tables import ProbeRead
 from vinterp.interventions.sae_registry import SaeRegistry
 from vinterp.interventions.specs import (
@@ -163,7 +164,7 @@ class WorkerInterventions:
             capture = self.capture_tables[site]
             rows = gathered[site_id]
             if pick is not None:
-                rows = rows.index_select(0, pick.to(rows.device))
+                rows = rows.index_select(0, on_device(pick, rows.device))
             if sae_site(site) is None:
                 self.store.add_gathered(site, capture, rows)
             elif site in topk:  # else its host has no SAE: the front end says so
@@ -191,7 +192,7 @@ class WorkerInterventions:
                 parts.append((probe_id, list(range(first, first + end - start))))
             index = torch.tensor(rows, dtype=torch.long)
             slots = slice(read.first_slot, read.first_slot + probe.outputs)
-            values = scores[:, slots].index_select(0, index.to(scores.device))
+            values = scores[:, slots].index_select(0, on_device(index, scores.device))
             self.store.add_gathered(probe_store_name(probe.name), SiteCapture(index, parts), values)
 
     def take_captures(
