@@ -104,7 +104,7 @@ def read_params(llm: vinterp.LLM) -> dict[str, torch.Tensor]:
 @pytest.mark.engine("architectures")
 @pytest.mark.parametrize("arch", ON_VLLM)
 def test_architecture_sites_equal_hf(engines, arch) -> None:
-    path = vinterp.models.tiny(arch)
+    path = vinterp.models.tiny(arch, **PATTERN_MODELS.get(arch, {}))
     llm, hf = engines.vllm(path, **engine_kwargs(arch)), engines.hf(path)
     got, want = every_site(llm), every_site(hf)
     for site, value in want.items():
@@ -128,7 +128,7 @@ def test_architecture_sites_equal_hf(engines, arch) -> None:
     else:
         with pytest.raises(vinterp.InterventionError, match="llm.raw"):
             read_params(llm)
-    if PATTERN_MODELS.get(arch) == {}:  # the plain tiny model's attention: checked here
+    if arch in PATTERN_MODELS:
         check_attention_pattern(llm, path, arch)
     if arch in MIXTURES_OF_EXPERTS:
         check_routers(llm, hf, got)
@@ -284,9 +284,11 @@ def test_gpt_neox_sites_on_hf(engines) -> None:
     assert write_middle(hf) != baseline
 
 
-# Sliding windows shorter than the prompt; Gemma 2 also soft-caps its attention logits, which
-# vLLM's CPU kernel caps otherwise than transformers: there only layer 0 (whose q and k follow
-# from the tokens alone) is compared.
+# The attention patterns checked (`check_attention_pattern`), on tiny models of these
+# settings, which the sites are checked on too: sliding windows shorter than the pattern's
+# prompt (not than PROMPT); Gemma 2 also soft-caps its attention logits, which vLLM's CPU
+# kernel caps otherwise than transformers: there only layer 0 (whose q and k follow from the
+# tokens alone) is compared.
 PATTERN_MODELS = {
     "llama": {},
     "mistral": {"sliding_window": 8},
@@ -296,16 +298,6 @@ PATTERN_MODELS = {
     "gemma3_text": {"sliding_window": 8},
 }
 LONG_PROMPT = "one two three four five six seven eight nine ten eleven twelve thirteen"
-
-
-@pytest.mark.engine("architectures")
-@pytest.mark.parametrize("arch", [arch for arch, changed in PATTERN_MODELS.items() if changed])
-def test_attention_pattern_equals_transformers_eager_attention(engines, arch) -> None:
-    """On the models whose attention differs from the plain tiny one (sliding windows, soft
-    caps): the pattern as `check_attention_pattern` checks it (the others are checked on the
-    engine of `test_architecture_sites_equal_hf`)."""
-    path = vinterp.models.tiny(arch, **PATTERN_MODELS[arch])
-    check_attention_pattern(engines.vllm(path, **TRACED_NOT_INDUCTOR), path, arch)
 
 
 def check_attention_pattern(llm: vinterp.LLM, path: Any, arch: str) -> None:
