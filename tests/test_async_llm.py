@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -22,7 +23,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def allm(engines, tiny_llama):
-    return engines.async_vllm(tiny_llama)
+    return engines.async_vllm(tiny_llama, **TRACED_NOT_INDUCTOR)
 
 
 @pytest.fixture(scope="module")

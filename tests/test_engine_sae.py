@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
-pytestmark = pytest.mark.engine("bundled")
+pytestmark = pytest.mark.engine("bundled_sae")
 
 SITE = "layers.10.output"
 FEATURES, ERROR = f"{SITE}.sae.features", f"{SITE}.sae.error"
@@ -56,7 +57,7 @@ def sae(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(engines, sae):
-    llm = engines.vllm(sae_steering_hosts=SITE)  # feature steering compiled at the host
+    llm = engines.vllm(sae_steering_hosts=SITE, **TRACED_NOT_INDUCTOR)  # features in the graph
     llm.attach_sae(SITE, sae)
     return llm
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from eager_attention import eager_attentions
 from long_prompt import LONG, close, long_trace, prompt_ids
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -17,7 +18,7 @@ SHORT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def chunked(engines, tiny_llama):
-    llm = engines.vllm(tiny_llama, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = engines.vllm(tiny_llama, max_num_batched_tokens=32, max_num_seqs=4, **TRACED_NOT_INDUCTOR)
     assert len(llm.tokenizer(LONG).input_ids) > 64  # spans at least three steps
     return llm
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -32,6 +33,7 @@ def tight(engines, tiny_llama, request):
         max_num_seqs=len(PROMPTS),
         enable_prefix_caching=request.param,
         disable_log_stats=False,  # keeps the scheduler's preemption counter
+        **TRACED_NOT_INDUCTOR,
     )
 
 

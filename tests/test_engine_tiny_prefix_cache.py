@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -14,7 +15,12 @@ PROMPT = " ".join(f"word{i}" for i in range(50))  # a few hundred tokens, severa
 
 @pytest.fixture(scope="module")
 def cached(engines, tiny_llama):
-    return engines.vllm(tiny_llama, enable_prefix_caching=True, max_num_batched_tokens=2048)
+    return engines.vllm(
+        tiny_llama,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=2048,
+        **TRACED_NOT_INDUCTOR,
+    )
 
 
 def test_capture_and_trace_see_every_prompt_token_after_a_cache_hit(cached, engines, tiny_llama):

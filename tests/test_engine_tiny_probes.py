@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -35,7 +36,7 @@ def make_probe(site: str, outputs: int, seed: int, name: str) -> vinterp.Probe:
 
 @pytest.fixture(scope="module")
 def compiled(engines, tiny_llama):
-    return engines.vllm(tiny_llama, probe_sites=(COMPILED_SITE, GATED_SITE))
+    return engines.vllm(tiny_llama, probe_sites=(COMPILED_SITE, GATED_SITE), **TRACED_NOT_INDUCTOR)
 
 
 @pytest.fixture(scope="module")

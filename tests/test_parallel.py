@@ -11,6 +11,7 @@ import pytest
 import torch
 from long_prompt import close, long_trace, prompt_ids
 from safetensors.torch import load_file
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 
@@ -107,15 +108,20 @@ def steered_by_lm_head_row(llm) -> tuple[list[int], list[int]]:
     return plain.outputs[0].token_ids, steered.outputs[0].token_ids
 
 
+def traced(engines, model, **kwargs):
+    """The module's engines: traced, not compiled by Inductor (`traced_engines`)."""
+    return engines.vllm(model, **TRACED_NOT_INDUCTOR, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def single_worker_tokens(engines, tiny_llama):
-    outs = engines.vllm(tiny_llama).generate(PROMPTS, **SAMPLING)
+    outs = traced(engines, tiny_llama).generate(PROMPTS, **SAMPLING)
     return [o.token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
 def single_worker_fast(engines, tiny_llama, single_worker_tokens):
-    return fast_path_results(engines.vllm(tiny_llama))
+    return fast_path_results(traced(engines, tiny_llama))
 
 
 def cross_stage(llm) -> dict:
@@ -181,7 +187,7 @@ def cross_stage(llm) -> dict:
 def single_worker_probe(engines, tiny_llama, single_worker_fast):
     """Everything the parallel layouts are compared with, from one engine start: the probes,
     then (the SAE attached last) the feature clamp."""
-    llm = engines.vllm(tiny_llama)
+    llm = traced(engines, tiny_llama)
     probes = probe(llm), steered_by_lm_head_row(llm), cross_stage(llm)
     return (*probes, clamped_with_features(llm, random_sae(256)))
 
@@ -206,7 +212,7 @@ def test_tensor_parallel_trace_equals_single_worker_and_hf(
     hf_probe = probe(hf, raw=False)
     hf_tokens = steered_by_lm_head_row(hf)
     checkpoint = load_file(str(tiny_llama / "model.safetensors"))
-    llm = engines.vllm(tiny_llama, tensor_parallel_size=2)
+    llm = traced(engines, tiny_llama, tensor_parallel_size=2)
     got = probe(llm)
     assert_probes_equal(got, want)
     assert_probes_equal({k: v for k, v in got.items() if not k.startswith("raw")}, hf_probe)
@@ -255,7 +261,7 @@ def test_tensor_parallel_feature_clamp_equals_single_worker_and_hf(
     sae = random_sae(256)
     want_tokens, want = single_worker_probe[3]
     hf_tokens, hf = clamped_with_features(engines.hf(tiny_llama), sae)
-    tokens, got = clamped_with_features(engines.vllm(tiny_llama, tensor_parallel_size=2), sae)
+    tokens, got = clamped_with_features(traced(engines, tiny_llama, tensor_parallel_size=2), sae)
     assert tokens == want_tokens == hf_tokens and tokens != single_worker_tokens
     for captures in (want, hf):
         for mine, theirs in zip(got, captures):
@@ -266,7 +272,7 @@ def test_tensor_parallel_feature_clamp_equals_single_worker_and_hf(
 
 
 def test_parameters_are_read_only(engines, tiny_llama) -> None:
-    llm = engines.vllm(tiny_llama, tensor_parallel_size=2)
+    llm = traced(engines, tiny_llama, tensor_parallel_size=2)
     with pytest.raises(AttributeError, match="read-only"):
         with llm.trace(PROMPTS[0]):
             llm.lm_head.weight = torch.zeros(3)
@@ -281,7 +287,7 @@ def test_parameters_are_read_only(engines, tiny_llama) -> None:
 def test_parallel_equals_single_worker(
     engines, tiny_llama, single_worker_tokens, single_worker_fast, layout
 ) -> None:
-    llm = engines.vllm(tiny_llama, **layout)
+    llm = traced(engines, tiny_llama, **layout)
     outs = llm.generate(PROMPTS, **SAMPLING)
     assert [o.token_ids for o in outs] == single_worker_tokens
     assert_fast_path_equal(fast_path_results(llm), single_worker_fast, single_worker_tokens)
@@ -311,7 +317,7 @@ def assert_results_equal(got: dict, want: dict) -> None:
 
 def test_pipeline_values_cross_stages(engines, tiny_llama, single_worker_probe) -> None:
     want = single_worker_probe[2]
-    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    llm = traced(engines, tiny_llama, pipeline_parallel_size=2)
     got = cross_stage(llm)
     held = llm.engine.collective_rpc("vinterp_held_state")
     assert [stage["kept_keys"] for stage in held] == [0, 0]  # the patterns' keys are freed
@@ -324,7 +330,7 @@ def test_pipeline_values_cross_stages(engines, tiny_llama, single_worker_probe) 
 def test_pipeline_impossible_order_fails_before_running(
     engines, tiny_llama, single_worker_fast
 ) -> None:
-    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    llm = traced(engines, tiny_llama, pipeline_parallel_size=2)
     with pytest.raises(vinterp.OutOfOrderError, match="layers.3"):
         with llm.trace(PROMPTS[0], max_tokens=1):
             llm.layers[1].output = llm.layers[3].output
@@ -356,7 +362,7 @@ def test_pipeline_logit_lens_of_a_first_stage_layer(engines, tiny_llama) -> None
     hf = engines.hf(tiny_llama)
     with hf.trace(PROMPTS[0], max_tokens=1):
         want = hf.unembed(hf.layers[0].output).save()
-    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    llm = traced(engines, tiny_llama, pipeline_parallel_size=2)
     with llm.trace(PROMPTS[0], max_tokens=1):
         got = llm.unembed(llm.layers[0].output).save()
     assert rel_err(got, want) < 1e-5
@@ -364,7 +370,7 @@ def test_pipeline_logit_lens_of_a_first_stage_layer(engines, tiny_llama) -> None
 
 def test_pipeline_state_is_freed_after_traces(engines, tiny_llama) -> None:
     """500 traced requests whose values cross the split leave nothing behind on any stage."""
-    llm = engines.vllm(tiny_llama, pipeline_parallel_size=2)
+    llm = traced(engines, tiny_llama, pipeline_parallel_size=2)
     for _ in range(5):
         with llm.trace(max_tokens=2, use_tqdm=False) as tr:
             for i in range(100):
@@ -388,8 +394,8 @@ def test_pipeline_trace_of_a_prompt_over_many_steps_equals_hf(engines, tiny_llam
     """320 tokens in steps of 32 over two stages: the long trace's saves, pattern row and
     writes, and rows of the first stage written into the second chunk by chunk, equal HF's."""
     hf = engines.hf(tiny_llama)
-    llm = engines.vllm(
-        tiny_llama, pipeline_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4
+    llm = traced(
+        engines, tiny_llama, pipeline_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4
     )
     ids = prompt_ids(llm, 320)
     v = torch.randn(256, generator=torch.Generator().manual_seed(5)) * 4
@@ -411,8 +417,8 @@ def test_tensor_and_pipeline_parallel_together(
 ) -> None:
     """TP=2 x PP=2 (four workers): values cross stages, TP gathers inside each stage; with
     capture_in_graph, each stage's capture buffers hold its own sites, one TP rank sends."""
-    llm = engines.vllm(
-        tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2, capture_in_graph=True
+    llm = traced(
+        engines, tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2, capture_in_graph=True
     )
     assert_results_equal(cross_stage(llm), single_worker_probe[2])
     before = llm.step_stats()["graph_capture_steps"]
@@ -425,7 +431,7 @@ def test_tensor_parallel_qwen2_equals_hf(engines) -> None:
     model = vinterp.models.tiny("qwen2")
     hf = engines.hf(model)
     want, want_tokens = probe(hf, raw=False), steered_by_lm_head_row(hf)
-    llm = engines.vllm(model, tensor_parallel_size=2)
+    llm = traced(engines, model, tensor_parallel_size=2)
     # fp32 sums split over two ranks and HF's in another order: measured 1.08e-5 at
     # layers.1.attn.output (transformers 5.19.0); a wrong gather or bias is off by ~1
     assert_probes_equal(probe(llm, raw=False), want, tolerance=3e-5)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from eager_attention import eager_attentions
-from vllm.config import CompilationMode
+from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 from vinterp.sites.modules import SUPPORTED, heads_of, router_of, site_order
@@ -66,11 +66,6 @@ def write_middle(llm: vinterp.LLM) -> list[int]:
         for _ in tr.iter[:]:
             llm.layers[middle].output = llm.layers[middle].output + 100.0 * direction
     return tr.outputs[0].token_ids
-
-
-TRACED_NOT_INDUCTOR = {
-    "compilation_config": {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "backend": "eager"}
-}
 
 
 pytestmark = pytest.mark.usefixtures("in_process")
