@@ -18,7 +18,10 @@ SCRIPT = textwrap.dedent(
     import psutil, vinterp
 
     if __name__ == "__main__":
-        llm = vinterp.LLM(vinterp.models.tiny("llama"), tensor_parallel_size=2)
+        traced = {"mode": 2, "backend": "eager"}  # traced_engines: the compiler is not the subject
+        llm = vinterp.LLM(
+            vinterp.models.tiny("llama"), tensor_parallel_size=2, compilation_config=traced
+        )
         llm.generate("Once upon a time", max_tokens=2)
         kids = psutil.Process().children(recursive=True)
         print("CHILDREN", " ".join(str(p.pid) for p in kids), flush=True)
