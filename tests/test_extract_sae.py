@@ -167,9 +167,11 @@ def test_an_sae_site_is_buffered_at_its_host() -> None:
     assert engine_settings([FEATURES, DENSE]) == {
         "capture_in_graph": [host, DENSE],
         "capture_in_graph_rows": "step",
+        "steering_in_graph": False,
     }
     assert engine_settings([FEATURES, host, f"{host}.sae.error"]) == {
         "capture_in_graph": [host],
         "capture_in_graph_rows": "step",
+        "steering_in_graph": False,
     }
     assert engine_settings(FEATURES, "last_prompt")["capture_in_graph_rows"] is None
