@@ -3,8 +3,7 @@ machine), each loading an SAE from its directory, write the dataset (residual ro
 SAE's top-k features) one engine writes, shard for shard; a replica that dies ends the run
 with an error naming it, and the same call with one engine continues to exactly that
 dataset; an extraction of an early layer runs only the layers up to it. The tiny model keeps
-two engines at once bearable on two cores; its engines are traced, not compiled by Inductor
-(`traced_engines`)."""
+two engines at once bearable on two cores."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import datasets
 import psutil
 import pytest
 import torch
-from traced_engines import TRACED_NOT_INDUCTOR
 
 import vinterp
 from vinterp.bench.bench_sae import random_sae
@@ -74,7 +72,7 @@ def one_engine(
     """The dataset of one engine in this process."""
     engines.release()  # one engine at a time
     out = tmp_path_factory.mktemp("one") / "acts"
-    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **kwargs, **TRACED_NOT_INDUCTOR)
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **kwargs)
     assert run.stats.rows == len(run.dataset) > 0 and len(manifest(out)["shards"]) >= 6
     return out
 
@@ -83,9 +81,7 @@ def test_two_replicas_write_the_dataset_one_engine_writes(
     one_engine: Path, tiny_llama: Any, kwargs: dict[str, Any], tmp_path: Path
 ) -> None:
     out = tmp_path / "two"
-    run = vinterp.extract(
-        tiny_llama, PROMPTS, SITES, out=out, data_parallel_size=2, **kwargs, **TRACED_NOT_INDUCTOR
-    )
+    run = vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, data_parallel_size=2, **kwargs)
     assert_same_dataset(out, one_engine)
     assert run.stats.rows == len(run.dataset) and run.stats.shards == len(manifest(out)["shards"])
     assert manifest(out)["complete"]
@@ -108,15 +104,7 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
 
     def run() -> None:
         try:
-            vinterp.extract(
-                tiny_llama,
-                PROMPTS,
-                SITES,
-                out=out,
-                data_parallel_size=2,
-                **kwargs,
-                **TRACED_NOT_INDUCTOR,
-            )
+            vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, data_parallel_size=2, **kwargs)
         except BaseException as exc:  # noqa: BLE001 (the test looks at it)
             failure.append(exc)
 
@@ -142,8 +130,7 @@ def test_a_replica_that_dies_ends_the_run_naming_it_and_the_dataset_resumes(
     assert "stay valid" in message and "run again continues" in message
     left = manifest(out)
     assert not left["complete"] and 0 < len(left["shards"]) < len(manifest(one_engine)["shards"])
-    # one engine, here
-    vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **kwargs, **TRACED_NOT_INDUCTOR)
+    vinterp.extract(tiny_llama, PROMPTS, SITES, out=out, **kwargs)  # one engine, here
     assert_same_dataset(out, one_engine)
 
 
@@ -162,9 +149,7 @@ def test_an_extraction_of_an_early_layer_runs_only_the_layers_up_to_it(
     site = "layers.1.output"
     early = {k: v for k, v in kwargs.items() if k not in ("saes", "topk")}
     with caplog.at_level(logging.INFO, logger="vinterp.extraction.launch"):
-        run = vinterp.extract(
-            tiny_llama, PROMPTS, site, out=tmp_path / "early", **early, **TRACED_NOT_INDUCTOR
-        )
+        run = vinterp.extract(tiny_llama, PROMPTS, site, out=tmp_path / "early", **early)
     assert "runs layers 0..1 of 4" in caplog.text
     got, whole = columns(tmp_path / "early"), columns(one_engine)
     assert set(got) == {"prompt", "position", "token", site} and len(run.dataset) > 0
