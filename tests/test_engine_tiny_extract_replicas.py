@@ -53,7 +53,11 @@ def assert_same_dataset(got: Path, want: Path) -> None:
     a, b = columns(got), columns(want)
     assert set(a) == set(b) == {"prompt", "position", "token", *COLUMNS}
     for name in b:
-        assert torch.equal(a[name], b[name]), name
+        if name.endswith(".values"):  # the worker encodes each step's rows: a replica's steps
+            # batch other rows, and the encoder's matmul may round their last bits otherwise
+            assert torch.allclose(a[name], b[name], rtol=1e-5, atol=0), name
+        else:
+            assert torch.equal(a[name], b[name]), name
 
 
 @pytest.fixture(scope="module")
