@@ -101,13 +101,9 @@ class EngineSettings:
             ),
             engine_kwargs.pop("num_layers", None),
             tuple(probe_sites_setting(engine_kwargs.pop("probe_sites", None))),
-            steering_in_graph_setting(engine_kwargs.pop("steering_in_graph", True), hosts),
+            engine_kwargs.pop("steering_in_graph", True),
         )
-        if not settings.steering_in_graph and settings.probe_sites:
-            raise ValueError(
-                "probe_sites: probes and gates are part of the steering formula, which "
-                "steering_in_graph=False leaves out of the compiled model; drop one of the two"
-            )
+        steering_in_graph_setting(settings)
         if config is not None:
             order = site_order(config)
             buffer_site_ids(settings.capture_setting, order)
@@ -159,17 +155,19 @@ class EngineSettings:
         )
 
 
-def steering_in_graph_setting(value: object, hosts: tuple[str, ...]) -> bool:
-    """`steering_in_graph` checked: a bool, and True where SAE steering hosts are named (their
-    feature steering is part of the formula)."""
+def steering_in_graph_setting(settings: EngineSettings) -> None:
+    """`steering_in_graph` checked: a bool, and True where SAE steering hosts or probe sites
+    are named (their formulas are part of the steering formula)."""
+    value = settings.steering_in_graph
     if not isinstance(value, bool):
         raise TypeError(f"steering_in_graph={value!r}: give True or False")
-    if not value and hosts:
-        raise ValueError(
-            "sae_steering_hosts: feature steering is part of the steering formula, which "
-            "steering_in_graph=False leaves out of the compiled model; drop one of the two"
-        )
-    return value
+    parts = {"sae_steering_hosts": settings.sae_steering_hosts, "probe_sites": settings.probe_sites}
+    for name, sites in parts.items():
+        if not value and sites:
+            raise ValueError(
+                f"{name}: its formula is part of the steering formula, which "
+                "steering_in_graph=False leaves out of the compiled model; drop one of the two"
+            )
 
 
 def _with_host_buffers(buffers: BufferSetting, hosts: tuple[str, ...]) -> bool | tuple[str, ...]:
