@@ -4,6 +4,11 @@ the block format they travel in.
 Each site is gathered once per step for all requests (one copy, not one per request) and
 stays on the device until taken. A take sends one block per site for all the ids taken, so
 its cost grows with sites and steps, not with how many requests capture.
+
+On a GPU a take arrives while a later step is queued on the compute stream. Each step's rows
+carry the event recorded after they were gathered, and a take joins them on a stream of its
+own after those events (`device_order.after`), so the rows of a finished step reach the host
+while the queued step computes instead of after it.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from typing import Any
 
 import torch
 
+from vinterp.interventions.device_order import StepEvent, after, step_event
 from vinterp.interventions.host_to_device import on_device
 from vinterp.interventions.tables import SiteCapture
 from vinterp.wire.tensors import tensor_from_wire, tensor_to_wire
 
 Encoder = Callable[[torch.Tensor], Any]  # a site's values -> what travels to the front end
-# per capture id, per site: (one step's gathered rows, first row, positions) for each step
-_Chunk = tuple[torch.Tensor, int, list[int]]
+# per capture id, per site, for each step: (the step's gathered rows, first row, positions,
+# the event after which the rows are computed: None off a GPU)
+_Chunk = tuple[torch.Tensor, int, list[int], StepEvent]
 
 
 class CaptureStore:
@@ -40,9 +47,9 @@ class CaptureStore:
 
     def add_gathered(self, site: str, capture: SiteCapture, gathered: torch.Tensor) -> None:
         """Keep a site's rows of one step, already gathered in `capture.rows`' order."""
-        start = 0
+        start, ready = 0, step_event(gathered)
         for capture_id, positions in capture.parts:
-            self._chunks[capture_id][site].append((gathered, start, positions))
+            self._chunks[capture_id][site].append((gathered, start, positions, ready))
             start += len(positions)
 
     def take(
@@ -69,7 +76,7 @@ class _Layout:
         positions: list[int] = []
         counts: list[int] = []
         for _, chunks in owned:  # Python per id; its chunks go through C iterators
-            _, firsts, chunk_positions = zip(*chunks)
+            _, firsts, chunk_positions, _ = zip(*chunks)
             starts += firsts
             sizes = list(map(len, chunk_positions))
             lengths += sizes
@@ -110,6 +117,7 @@ def site_block(
     layouts of this take's other sites, by what they were recorded from."""
     tensors = [chunk[0] for _, chunks in owned for chunk in chunks]
     gathered = dict(zip(map(id, tensors), tensors))  # each step's rows, in the order first met
+    ready = {id(chunk[3]): chunk[3] for _, chunks in owned for chunk in chunks}
     # A step's tables give every site of a request one positions list (built in that step):
     # the same lists at the same starts mean the same rows of the same steps.
     key = (
@@ -120,7 +128,9 @@ def site_block(
         step_of = {k: i for i, k in enumerate(gathered)}
         layouts[key] = _Layout(owned, list(map(step_of.__getitem__, map(id, tensors))))
     layout = layouts[key]
-    return {"values": encode(layout.values(list(gathered.values()))), "parts": layout.parts}
+    steps = list(gathered.values())
+    with after(list(ready.values()), steps):
+        return {"values": encode(layout.values(steps)), "parts": layout.parts}
 
 
 def _joined(
