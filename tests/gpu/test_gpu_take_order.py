@@ -45,8 +45,9 @@ def taken(handoff: FileHandoff | None, queued_step: bool) -> tuple[torch.Tensor,
 def test_a_take_overtakes_the_queued_step(through_files) -> None:
     handoff = FileHandoff() if through_files else None
     try:
-        # First uses allocate pinned host memory (the writer's staging buffer, the row
-        # index's copy), and allocating it waits for the device: done before the test's step.
+        # A first take sets up what later ones reuse (the writer's thread, its stream and
+        # staging buffer, the side stream), and that waited for the device on an H200: it is
+        # done before the test's queued step.
         taken(handoff, queued_step=False)
         torch.cuda.synchronize()
         wanted, got = taken(handoff, queued_step=True)
