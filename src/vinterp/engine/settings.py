@@ -103,7 +103,7 @@ class EngineSettings:
             tuple(probe_sites_setting(engine_kwargs.pop("probe_sites", None))),
             engine_kwargs.pop("steering_in_graph", True),
         )
-        steering_in_graph_setting(settings)
+        check_steering_in_graph(settings)
         if config is not None:
             order = site_order(config)
             buffer_site_ids(settings.capture_setting, order)
@@ -155,15 +155,17 @@ class EngineSettings:
         )
 
 
-def steering_in_graph_setting(settings: EngineSettings) -> None:
+def check_steering_in_graph(settings: EngineSettings) -> None:
     """`steering_in_graph` checked: a bool, and True where SAE steering hosts or probe sites
     are named (their formulas are part of the steering formula)."""
     value = settings.steering_in_graph
     if not isinstance(value, bool):
         raise TypeError(f"steering_in_graph={value!r}: give True or False")
+    if value:
+        return
     parts = {"sae_steering_hosts": settings.sae_steering_hosts, "probe_sites": settings.probe_sites}
     for name, sites in parts.items():
-        if not value and sites:
+        if sites:
             raise ValueError(
                 f"{name}: its formula is part of the steering formula, which "
                 "steering_in_graph=False leaves out of the compiled model; drop one of the two"
