@@ -22,9 +22,11 @@ frames per thread kind. The SAE's fixed costs (load, digest, attach) come first.
 
 The `mid` engine (`--engines plain,mid`) runs layers 0..L of an L = layers/2 extraction, as
 `vinterp extract` starts it: its own prefill (no capture: the floor), extraction of layer L at
-every prompt position (twice), of the prompts as token ids, into /dev/shm and with fsync off;
-per extraction the seconds before the first engine step (set-up, feed) and after the last
-(last writes, commit, reload), and the call's parts (open_job, finish, load_dataset).
+every prompt position (twice), alternating with the same without the tail's smaller shards
+(twice), then with the tail cut finer and with fsync off; per extraction the seconds before
+the first engine step (set-up, feed) and after the last (last writes, commit, reload), and the
+call's parts (open_job, finish, load_dataset). Each dataset is removed and the disk synced
+before the next phase, so no phase pays for the last one's files.
 
 Probes only: nothing here changes what vinterp does, except the variants named above.
 """
@@ -307,6 +309,20 @@ def no_fsync():
 
 
 @contextlib.contextmanager
+def tail_shards(steps: int, split: int):
+    """The tail of `steps` engine steps' prompts in shards `split` times smaller (0 steps: no
+    tail), for the datasets opened meanwhile."""
+    import vinterp.extraction.request as request
+
+    old = request.TAIL_STEPS, request.TAIL_SPLIT
+    request.TAIL_STEPS, request.TAIL_SPLIT = steps, split
+    try:
+        yield
+    finally:
+        request.TAIL_STEPS, request.TAIL_SPLIT = old
+
+
+@contextlib.contextmanager
 def switch_interval(seconds: float):
     old = sys.getswitchinterval()
     sys.setswitchinterval(seconds)
@@ -464,6 +480,7 @@ def main() -> None:
                 "shards": stats.shards,
             }
         shutil.rmtree(out, ignore_errors=True)
+        os.sync()
 
     def generations(llm: Any, label: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
         for name, kwargs in rows:
@@ -475,7 +492,7 @@ def main() -> None:
             info["uncompiled_steps"] = after.get("uncompiled", 0) - before.get("uncompiled", 0)
 
     if "mid" in engines:
-        mid_engine(args, model, common, texts, warm, tokenizer, config, phases, extract, prefill)
+        mid_engine(args, model, common, texts, warm, config, phases, extract, prefill)
     vector = vinterp.Steering({host: torch.full((int(config.hidden_size),), 0.01)}, scale=4.0)
     if "layers" in engines:
         kwargs = {**common, "capture_in_graph": "layers.*.output"}
@@ -607,7 +624,6 @@ def mid_engine(
     common: dict[str, Any],
     texts: list[str],
     warm: list[str],
-    tokenizer: Any,
     config: Any,
     phases: Phases,
     extract: Any,
@@ -628,18 +644,16 @@ def mid_engine(
     llm.generate(warm, max_tokens=1, use_tqdm=False)
     llm.extract(warm, site, out=root / "warm", use_tqdm=False)
     shutil.rmtree(root / "warm", ignore_errors=True)
-    ids = tokenizer(texts).input_ids
     prefill(llm, "mid: prefill (no capture)", texts)
-    extract(llm, "mid: extract.default", texts, root / "a", sites=site)
+    for again in ("", " again"):
+        extract(llm, f"mid: extract.default{again}", texts, root / "a", sites=site)
+        with tail_shards(0, 1):
+            extract(llm, f"mid: extract.no_tail{again}", texts, root / "b", sites=site)
     prefill(llm, "mid: prefill (no capture) again", texts)
-    extract(llm, "mid: extract.default again", texts, root / "b", sites=site)
-    extract(llm, "mid: extract.token_ids", ids, root / "c", sites=site)
+    with tail_shards(2, 8):
+        extract(llm, "mid: extract.tail_8", texts, root / "c", sites=site)
     with no_fsync():
         extract(llm, "mid: extract.no_fsync", texts, root / "d", sites=site)
-    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 10e9:
-        shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
-        extract(llm, "mid: extract.dev_shm", texts, shm / "x", sites=site)
-        shutil.rmtree(shm, ignore_errors=True)
     llm.shutdown()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -681,8 +695,9 @@ RATIOS = (  # (row, phase, plain phase)
     ("mid: layers 0..L, no capture", "mid: prefill (no capture)", "plain: prefill"),
     ("mid: extract layer L", "mid: extract.default", "plain: prefill"),
     ("mid: extract layer L again", "mid: extract.default again", "plain: prefill"),
-    ("mid: extract of token ids", "mid: extract.token_ids", "plain: prefill"),
-    ("mid: extract into /dev/shm", "mid: extract.dev_shm", "plain: prefill"),
+    ("mid: extract, no tail shards", "mid: extract.no_tail", "plain: prefill"),
+    ("mid: extract, no tail shards again", "mid: extract.no_tail again", "plain: prefill"),
+    ("mid: extract, tail shards 8x smaller", "mid: extract.tail_8", "plain: prefill"),
     ("mid: extract, fsync off", "mid: extract.no_fsync", "plain: prefill"),
     ("generation, no intervention", "layers: gen none", "plain: generation"),
     ("generation, one steering vector", "layers: gen steer", "plain: generation"),

@@ -25,7 +25,7 @@ from vinterp.extraction.spec import EngineFacts, dataset_about, extraction_spec
 from vinterp.extraction.stream import shard_columns
 from vinterp.models.tiny import tiny_config
 from vinterp.sae import SAE
-from vinterp.store import ActivationStore, site_tensor
+from vinterp.store import ActivationStore, ShardSizes, site_tensor
 from vinterp.wire.specs import Capture
 
 CONFIG = SimpleNamespace(**tiny_config("llama"))  # 4 layers, hidden 256
@@ -122,7 +122,7 @@ def test_captured_top_k_rows_become_an_index_and_a_value_column(tmp_path: Path) 
     columns = store_columns(sites, "float16", 4, K)
     spec = {"sites": sites, "dtype": "float16", "hidden_size": 4, "topk": K}
     about = dataset_about(prompt_source(["a", "b"], "text"), columns)  # lists the columns
-    store = ActivationStore.open(tmp_path, spec, columns, 10**6, about)
+    store = ActivationStore.open(tmp_path, spec, columns, ShardSizes(10**6), about)
     g = torch.Generator().manual_seed(0)
     captured = []
     for length in (3, 2):  # the workers' rows: int64 indices, values in the model's dtype

@@ -18,7 +18,7 @@ from vinterp.extraction import request
 from vinterp.extraction import spec as extraction_spec
 from vinterp.extraction.prompts import prompt_source
 from vinterp.extraction.replicas import check_replicas
-from vinterp.store import ActivationStore, SpecMismatchError
+from vinterp.store import ActivationStore, ShardSizes, SpecMismatchError
 
 SITES = ["layers.1.output"]
 
@@ -48,7 +48,7 @@ def open_dataset(out: Path, spec: dict) -> ActivationStore:
     """The dataset as `extract` opens it."""
     columns = request.store_columns(SITES, "float32", 64)
     about = extraction_spec.dataset_about(prompt_source(["a prompt"], "text"), columns)
-    return ActivationStore.open(out, spec, columns, 1 << 20, about)
+    return ActivationStore.open(out, spec, columns, ShardSizes(1 << 20), about)
 
 
 def test_weights_are_read_only_at_their_ends(

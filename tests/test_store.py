@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from vinterp import cli
@@ -44,6 +46,7 @@ from vinterp.store import (
     ActivationStore,
     InOrderLister,
     PendingShard,
+    ShardSizes,
     ShardWriter,
     SpecMismatchError,
     StoreError,
@@ -68,7 +71,7 @@ def rows(start: int, end: int) -> dict[str, np.ndarray]:
 
 
 def open_store(root: Path, spec: dict = SPEC) -> ActivationStore:
-    return ActivationStore.open(root, spec, COLUMNS, shard_bytes=1000)
+    return ActivationStore.open(root, spec, COLUMNS, sizes=ShardSizes(1000))
 
 
 def commit(
@@ -118,6 +121,20 @@ def test_reopen_continues_after_the_last_listed_shard_and_removes_leftovers(
     ]
     commit(again, 2, 5, rows(2, 5), {})
     assert np.array_equal(loaded(tmp_path)["site"], rows(0, 5)["site"])
+
+
+def test_the_shard_sizes_a_dataset_began_with_are_kept_on_reopen(tmp_path: Path) -> None:
+    """A restart must cut the shards of the first run, whatever sizes the caller gives now;
+    a manifest written before the tail sizes existed reopens without them."""
+    sizes = ShardSizes(1000, 64, 32, 250)
+    commit(ActivationStore.open(tmp_path, SPEC, COLUMNS, sizes), 0, 1, rows(0, 1), {})
+    again = ActivationStore.open(tmp_path, SPEC, COLUMNS, ShardSizes(7))
+    assert again.manifest.sizes == sizes
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    for key in ("shard_tokens", "tail_tokens", "tail_shard_bytes"):
+        del manifest[key]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert ActivationStore.open(tmp_path, SPEC, COLUMNS, sizes).manifest.sizes == ShardSizes(1000)
 
 
 def test_another_spec_is_refused_naming_what_differs(tmp_path: Path) -> None:
@@ -430,7 +447,7 @@ def bits(values: torch.Tensor) -> torch.Tensor:
 def site_store(root: Path, dtype: str, width: int, sites: tuple[str, ...] = ("a", "b")):
     columns = {"prompt": ("int64", None)} | {s: (COLUMN_DTYPE[dtype], width) for s in sites}
     spec = {"sites": list(sites), "dtype": dtype, "hidden_size": width}
-    return ActivationStore.open(root, spec, columns, shard_bytes=1000)
+    return ActivationStore.open(root, spec, columns, sizes=ShardSizes(1000))
 
 
 def site_rows(start: int, values: dict[str, torch.Tensor], dtype: str) -> dict[str, np.ndarray]:
@@ -490,7 +507,7 @@ def test_extract_shard_columns_store_bfloat16_bits(tmp_path: Path) -> None:
         tmp_path,
         {"sites": [SITE], "dtype": "bfloat16", "hidden_size": 4},
         columns | {SITE: (COLUMN_DTYPE["bfloat16"], 4)},
-        shard_bytes=1000,
+        sizes=ShardSizes(1000),
     )
     positions = np.array([1, 2], np.int32)
     prompts = [PlannedPrompt(0, [5, 6, 7], positions), PlannedPrompt(3, [8, 9], positions[:1])]
@@ -608,17 +625,18 @@ def test_router_sites_are_refused_with_what_to_use_instead() -> None:
 def test_shards_are_cut_from_the_prompt_lengths_alone() -> None:
     lengths = [3, 5, 2, 40, 1, 4, 4, 30, 2]
     tokenized = [(i, list(range(n))) for i, n in enumerate(lengths)]
-    plan = list(plan_shards(tokenized, "all_prompt", 1, 29, row_bytes=1, shard_bytes=5))
+    plan = list(plan_shards(tokenized, "all_prompt", 1, 29, 1, ShardSizes(5)))
     assert [(s.start, s.end) for s in plan] == [(0, 1), (1, 5), (5, 6), (6, 9)]
     assert [s.rows for s in plan] == [2, 5, 3, 4]
     assert sum(s.counts[TOO_LONG] for s in plan) == 2  # 40 and 30 tokens
     assert sum(s.counts[NO_ROWS] for s in plan) == 1  # one token, skipped by skip_first
     # A restart after any shard cuts the same shards as the uninterrupted run.
     for k, shard in enumerate(plan):
-        rest = plan_shards(tokenized[shard.start :], "all_prompt", 1, 29, 1, 5)
+        rest = plan_shards(tokenized[shard.start :], "all_prompt", 1, 29, 1, ShardSizes(5))
         assert [(s.start, s.end) for s in rest] == [(s.start, s.end) for s in plan[k:]]
     # A prompt with more rows than a shard holds is a shard alone.
-    big = list(plan_shards([(0, [1] * 3), (1, [1] * 20), (2, [1])], "all_prompt", 0, None, 1, 8))
+    one_each = [(0, [1] * 3), (1, [1] * 20), (2, [1])]
+    big = list(plan_shards(one_each, "all_prompt", 0, None, 1, ShardSizes(8)))
     assert [(s.start, s.end) for s in big] == [(0, 1), (1, 2), (2, 3)]
 
 
@@ -626,13 +644,55 @@ def test_shards_of_last_prompt_rows_are_also_cut_by_their_tokens() -> None:
     """One row per prompt fits any byte budget: the token bound keeps such shards to a few
     engine steps' prompts, and a restart cuts the same shards."""
     tokenized = [(i, list(range(n))) for i, n in enumerate([4, 4, 3, 9, 2, 2, 2])]
-    args = ("last_prompt", 0, None, 1, 1000)
-    assert [(s.start, s.end) for s in plan_shards(tokenized, *args)] == [(0, 7)]
-    plan = list(plan_shards(tokenized, *args, shard_tokens=8))
+    args = ("last_prompt", 0, None, 1)
+    assert [(s.start, s.end) for s in plan_shards(tokenized, *args, ShardSizes(1000))] == [(0, 7)]
+    plan = list(plan_shards(tokenized, *args, ShardSizes(1000, 8)))
     assert [(s.start, s.end) for s in plan] == [(0, 2), (2, 3), (3, 4), (4, 7)]
     assert [s.counts[TOKENS] for s in plan] == [8, 3, 9, 6]  # 9 tokens: a shard alone
     for k, shard in enumerate(plan):
-        rest = plan_shards(tokenized[shard.start :], *args, shard_tokens=8)
+        rest = plan_shards(tokenized[shard.start :], *args, ShardSizes(1000, 8))
+        assert [(s.start, s.end) for s in rest] == [(s.start, s.end) for s in plan[k:]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), max_size=40),
+    sizes=st.tuples(st.integers(1, 30), st.integers(1, 40), st.integers(1, 10)),
+)
+def test_the_last_prompts_go_into_smaller_shards(
+    lengths: list[int], sizes: tuple[int, int, int]
+) -> None:
+    """Prompts whose own and later computed tokens number at most `tail_tokens` are in
+    shards of `tail_bytes` (a longer prompt alone), never beside earlier prompts; the plan
+    reads no further ahead than the tail, and a restart after any shard cuts the same."""
+    shard_bytes, tail_tokens, tail_bytes = sizes
+    longest = 10  # prompts of 11 and 12 tokens are skipped: not computed, not counted
+    tokenized = [(i, list(range(n))) for i, n in enumerate(lengths)]
+    plan_sizes = ShardSizes(shard_bytes, None, tail_tokens, tail_bytes)
+    read: list[int] = []
+
+    def stream(items: list[tuple[int, list[int]]]) -> Any:
+        for item in items:
+            read.append(item[0])
+            yield item
+
+    planned = plan_shards(stream(tokenized), "all_prompt", 0, longest, 1, plan_sizes)
+    plan = []
+    for shard in planned:
+        ahead = sum(n for n in lengths[shard.end : read[-1]] if n <= longest)
+        assert ahead <= tail_tokens  # the prompts read past this shard: the tail at most
+        plan.append(shard)
+    assert [(s.start, s.end) for s in plan] == list(
+        zip([0, *[s.end for s in plan[:-1]]], [s.end for s in plan])
+    ) and (not plan or plan[-1].end == len(lengths))
+    later = [sum(n for n in lengths[i:] if n <= longest) for i in range(len(lengths))]
+    for shard in plan:
+        tail = {later[p.index] <= tail_tokens for p in shard.prompts}
+        assert len(tail) <= 1  # never both
+        budget = tail_bytes if tail == {True} else shard_bytes
+        assert shard.rows <= budget or len(shard.prompts) == 1
+    for k, shard in enumerate(plan):
+        rest = plan_shards(tokenized[shard.start :], "all_prompt", 0, longest, 1, plan_sizes)
         assert [(s.start, s.end) for s in rest] == [(s.start, s.end) for s in plan[k:]]
 
 

@@ -24,6 +24,7 @@ from vinterp.store import (
     ActivationStore,
     Columns,
     PendingShard,
+    ShardSizes,
     ShardWriter,
     column_values,
     row_size,
@@ -68,7 +69,8 @@ def _write(
 ) -> None:
     """The shards through one `ShardWriter`; with `rate`, each is put once the producer has
     made its rows (at `rate` bytes of site values a second) and its take copies them."""
-    store = ActivationStore.open(root, {"bench": KEY}, columns, shard_bytes(columns, BUFFER_GB))
+    sizes = ShardSizes(shard_bytes(columns, BUFFER_GB))
+    store = ActivationStore.open(root, {"bench": KEY}, columns, sizes)
     payload = len(SITES) * HIDDEN * 2
     began, made, start = time.perf_counter(), 0, 0
     with ShardWriter(store, queued=QUEUED_SHARDS) as writer:

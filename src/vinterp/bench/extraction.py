@@ -55,6 +55,7 @@ from vinterp.store import (
     ActivationStore,
     Columns,
     PendingShard,
+    ShardSizes,
     ShardWriter,
     row_size,
 )
@@ -342,7 +343,7 @@ def time_store_alone(
 
     def write(rows: int = rows) -> None:
         runs.append(Path(tempfile.mkdtemp(prefix="store-", dir=root)))
-        store = ActivationStore.open(runs[-1], {"bench": "store alone"}, columns, size)
+        store = ActivationStore.open(runs[-1], {"bench": "store alone"}, columns, ShardSizes(size))
         with ShardWriter(store, threads) as writer:
             for index, start in enumerate(range(0, rows, per_shard)):
                 n = min(per_shard, rows - start)

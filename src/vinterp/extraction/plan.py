@@ -3,11 +3,13 @@ functions of the token ids, so a restarted run cuts exactly the shards of the fi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from vinterp.store.manifest import ShardSizes
 from vinterp.wire.tensors import is_int
 
 PositionSpec = str | list[int]
@@ -81,23 +83,33 @@ def plan_shards(
     skip_first: int,
     max_prompt_len: int | None,
     row_bytes: int,
-    shard_bytes: int,
-    shard_tokens: int | None = None,
+    sizes: ShardSizes,
 ) -> Iterator[Shard]:
-    """Consecutive prompts grouped while their rows fit `shard_bytes` and their tokens
-    `shard_tokens` (a prompt over either is a shard alone). Prompts longer than
-    `max_prompt_len` are skipped and counted."""
+    """Consecutive prompts grouped while their rows fit the byte budget and their tokens
+    `sizes.tokens` (a prompt over either is a shard alone); the prompts of the tail (see
+    `ShardSizes`) in shards of their own. Prompts longer than `max_prompt_len` are skipped and
+    counted."""
     shard: Shard | None = None
-    for index, ids in tokenized:
+    was_tail = False
+
+    def skipped(ids: list[int]) -> bool:
+        return max_prompt_len is not None and len(ids) > max_prompt_len
+
+    def computed(ids: list[int]) -> int:
+        return 0 if skipped(ids) else len(ids)
+
+    for index, ids, tail in marked_tail(tokenized, computed, sizes.tail_tokens):
         if shard is None:
             shard = Shard(index, index)
-        too_long = max_prompt_len is not None and len(ids) > max_prompt_len
+        too_long = skipped(ids)
         rows = np.zeros(0, np.int32) if too_long else selected(positions, skip_first, len(ids))
-        over_bytes = (shard.rows + len(rows)) * row_bytes > shard_bytes
-        over_tokens = shard_tokens is not None and shard.counts[TOKENS] + len(ids) > shard_tokens
-        if shard.prompts and (over_bytes or over_tokens):
+        budget = sizes.tail_bytes if tail and sizes.tail_bytes else sizes.bytes
+        over_bytes = (shard.rows + len(rows)) * row_bytes > budget
+        over_tokens = sizes.tokens is not None and shard.counts[TOKENS] + len(ids) > sizes.tokens
+        if shard.prompts and (over_bytes or over_tokens or tail != was_tail):
             yield shard
             shard = Shard(index, index)
+        was_tail = tail
         shard.end = index + 1
         if too_long:
             shard.counts[TOO_LONG] += 1
@@ -108,3 +120,27 @@ def plan_shards(
             shard.counts[TOKENS] += len(ids)
     if shard is not None:
         yield shard
+
+
+def marked_tail(
+    tokenized: Iterable[tuple[int, list[int]]],
+    computed: Callable[[list[int]], int],
+    tail_tokens: int | None,
+) -> Iterator[tuple[int, list[int], bool]]:
+    """(index, ids, in the tail) per prompt: in the tail when it and the prompts after it
+    hold at most `tail_tokens` computed tokens. Reads at most that many tokens ahead, so a
+    corpus stays a stream; a function of the prompts from here to the end, so a restart at a
+    shard's first prompt marks the same ones."""
+    if tail_tokens is None:
+        yield from ((index, ids, False) for index, ids in tokenized)
+        return
+    ahead: deque[tuple[int, list[int]]] = deque()
+    held = 0
+    for index, ids in tokenized:
+        ahead.append((index, ids))
+        held += computed(ids)
+        while held > tail_tokens:
+            first, first_ids = ahead.popleft()
+            held -= computed(first_ids)
+            yield first, first_ids, False
+    yield from ((index, ids, True) for index, ids in ahead)

@@ -31,6 +31,7 @@ from vinterp.store import (
     WRITER_THREADS,
     ActivationStore,
     Columns,
+    ShardSizes,
     row_size,
 )
 from vinterp.wire.specs import Capture
@@ -50,6 +51,11 @@ SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + QUEUED_SHARDS)
 # overlaps the engine's next steps from early on and the last write after the engine is done
 # is short.
 STEPS_PER_SHARD = 4
+# The prompts of the last steps' tokens go into shards this many times smaller: their rows
+# leave the devices only as those steps end, so the run ends when their writes do. The
+# second-last step counts too: its shards are still being written while the last one runs.
+TAIL_STEPS = 2
+TAIL_SPLIT = 4
 # Engine steps' worth of prompt tokens kept queued in the engine while extracting: enough that
 # it never waits for the next prompts, few enough that captures awaiting their take stay small.
 QUEUED_STEPS = 4
@@ -80,8 +86,7 @@ class ExtractionJob:
             spec["skip_first"],
             spec["max_prompt_len"],
             row_size(self.store.columns),
-            manifest.shard_bytes,
-            manifest.shard_tokens,
+            manifest.sizes,
         )
         return enumerate(planned, len(manifest.shards))
 
@@ -120,9 +125,9 @@ def open_job(facts: EngineFacts, request: ExtractionRequest) -> ExtractionJob:
     spec = extraction_spec(facts, source, sites, positions, skip_first, dtype, topk)
     columns = store_columns(sites, dtype, spec["hidden_size"], topk)
     about = dataset_about(source, columns)
-    shard_tokens = STEPS_PER_SHARD * limits.step_tokens if limits.step_tokens else None
-    size = shard_bytes(columns, buffer_gb)
-    store = ActivationStore.open(request.out, spec, columns, size, about, shard_tokens)
+    store = ActivationStore.open(
+        request.out, spec, columns, shard_sizes(columns, buffer_gb, limits.step_tokens), about
+    )
     queued = queued_tokens(limits, positions, columns, buffer_gb)
     return ExtractionJob(store, source, Capture(sites, positions=positions, topk=topk), queued)
 
@@ -170,6 +175,17 @@ def shard_bytes(columns: Columns, buffer_gb: float) -> int:
     least)."""
     host = int(buffer_gb * (1 - DEVICE_SHARE) * 2**30)
     return max(host // SHARDS_IN_FLIGHT, row_size(columns))
+
+
+def shard_sizes(columns: Columns, buffer_gb: float, step_tokens: int | None) -> ShardSizes:
+    """`shard_bytes`, at most `STEPS_PER_SHARD` engine steps' tokens, and the last
+    `TAIL_STEPS` steps' prompts in shards `TAIL_SPLIT` times smaller (a row at least); by
+    bytes alone where the engine's step size is unknown."""
+    size = shard_bytes(columns, buffer_gb)
+    if not step_tokens:
+        return ShardSizes(size)
+    tail_bytes = max(size // TAIL_SPLIT, row_size(columns))
+    return ShardSizes(size, STEPS_PER_SHARD * step_tokens, TAIL_STEPS * step_tokens, tail_bytes)
 
 
 def queued_tokens(

@@ -5,7 +5,13 @@ bit for bit in their stored dtype."""
 from vinterp.store.directory import ActivationStore
 from vinterp.store.hf_format import Columns, row_size
 from vinterp.store.lister import FAILED, InOrderLister
-from vinterp.store.manifest import Manifest, ShardEntry, SpecMismatchError, StoreError
+from vinterp.store.manifest import (
+    Manifest,
+    ShardEntry,
+    ShardSizes,
+    SpecMismatchError,
+    StoreError,
+)
 from vinterp.store.values import (
     COLUMN_DTYPE,
     INDEX_DTYPE,
@@ -30,6 +36,7 @@ __all__ = [
     "Manifest",
     "PendingShard",
     "ShardEntry",
+    "ShardSizes",
     "ShardWriter",
     "SpecMismatchError",
     "StoreError",

@@ -18,6 +18,7 @@ from vinterp.store.manifest import (
     MANIFEST,
     Manifest,
     ShardEntry,
+    ShardSizes,
     SpecMismatchError,
     StoreError,
     spec_differences,
@@ -46,9 +47,8 @@ class ActivationStore:
         root: str | Path,
         spec: dict[str, Any],
         columns: hf_format.Columns,
-        shard_bytes: int,
+        sizes: ShardSizes,
         about: dict[str, Any] | None = None,
-        shard_tokens: int | None = None,
     ) -> ActivationStore:
         """Create the dataset in `root`, or reopen the one there if its spec is `spec` (its
         shard sizes are kept, so a restart cuts the same shards). SpecMismatchError for another
@@ -75,9 +75,7 @@ class ActivationStore:
                     f"{root} is not empty and holds no {MANIFEST} (found {others[:5]}); "
                     "give an empty or new directory"
                 )
-            store = cls(
-                root, Manifest(spec, shard_bytes, about or {}, shard_tokens=shard_tokens), columns
-            )
+            store = cls(root, Manifest(spec, sizes, about or {}), columns)
             description = f"vinterp activations; spec in {MANIFEST}"
             files.write_json(
                 root / hf_format.DATASET_INFO, hf_format.dataset_info(columns, description)

@@ -38,14 +38,27 @@ class ShardEntry:
     counts: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ShardSizes:
+    """How prompts are grouped into shards (kept in the manifest, so a restart cuts the same):
+    rows fitting `bytes` (a longer prompt is a shard alone), prompts within `tokens` where set;
+    the prompts of the last `tail_tokens` computed tokens, where set, in shards of
+    `tail_bytes`, so the shards still being written when the engine finishes are small and
+    their writes end soon after it."""
+
+    bytes: int
+    tokens: int | None = None
+    tail_tokens: int | None = None
+    tail_bytes: int | None = None
+
+
 @dataclass
 class Manifest:
     spec: dict[str, Any]
-    shard_bytes: int  # a shard's rows fit this many bytes (a longer prompt is a shard alone)
+    sizes: ShardSizes
     about: dict[str, Any] = field(default_factory=dict)
     shards: list[ShardEntry] = field(default_factory=list)
     complete: bool = False
-    shard_tokens: int | None = None  # and its prompts this many tokens, where set
 
     @property
     def next_prompt(self) -> int:
@@ -69,8 +82,10 @@ class Manifest:
             "spec": self.spec,
             "about": self.about,
             "totals": self.totals(),
-            "shard_bytes": self.shard_bytes,
-            "shard_tokens": self.shard_tokens,
+            "shard_bytes": self.sizes.bytes,
+            "shard_tokens": self.sizes.tokens,
+            "tail_tokens": self.sizes.tail_tokens,
+            "tail_shard_bytes": self.sizes.tail_bytes,
             "shards": [asdict(s) for s in self.shards],
         }
 
@@ -80,13 +95,18 @@ class Manifest:
             data = json.loads(path.read_text())
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT!r}")
+            sizes = ShardSizes(
+                int(data["shard_bytes"]),
+                data.get("shard_tokens"),
+                data.get("tail_tokens"),
+                data.get("tail_shard_bytes"),
+            )
             return cls(
                 data["spec"],
-                int(data["shard_bytes"]),
+                sizes,
                 data.get("about", {}),
                 [ShardEntry(**s) for s in data["shards"]],
                 bool(data["complete"]),
-                data.get("shard_tokens"),
             )
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
