@@ -141,3 +141,22 @@ def test_timed_interleaved_warms_up_with_the_given_call_instead_of_a_full_run() 
     )
     assert calls == ["warm", "cleanup", "full", "cleanup", "full", "cleanup"]
     assert len(times["job"].times) == 2
+
+
+def test_timed_runs_keep_their_folders_while_the_disk_has_room(tmp_path, monkeypatch) -> None:
+    """A run's folder is deleted between timed runs only when the disk could not hold two
+    more such runs (deleting is the bench's cleanup, kept out of the next run's time)."""
+    runs = extraction.RunFolders(tmp_path, "run-")
+    for _ in range(2):
+        (runs.new() / "shard").write_bytes(bytes(1000))
+        runs.done()
+    assert len(list(tmp_path.iterdir())) == 2
+    usage = extraction.shutil.disk_usage(tmp_path)
+    short = usage._replace(free=2 * 1000 + runs.SPARE - 1)
+    monkeypatch.setattr(extraction.shutil, "disk_usage", lambda _path: short)
+    (runs.new() / "shard").write_bytes(bytes(1000))
+    runs.done()
+    assert list(tmp_path.iterdir()) == []
+    (runs.new() / "shard").write_bytes(bytes(10))
+    runs.close()
+    assert list(tmp_path.iterdir()) == []

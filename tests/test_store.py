@@ -237,6 +237,38 @@ def test_writer_commits_in_order_and_waits_while_its_queue_is_full(tmp_path: Pat
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
 
 
+def test_the_writers_room_is_counted_in_bytes(tmp_path: Path) -> None:
+    """Room for `threads + queued` full shards holds four times as many quarter shards (the
+    tail's); a shard larger than the whole room goes in alone."""
+    store = open_store(tmp_path)  # full shards of 1000 bytes: room for 2000 with one writer
+    release = threading.Event()
+    made: list[int] = []
+
+    def make(start: int, build: Callable[[], Any]) -> PendingShard:
+        made.append(start)
+        return pending(start, start + 1, build)
+
+    def blocked() -> dict[str, np.ndarray]:
+        release.wait(10)
+        return rows(0, 1)
+
+    with ShardWriter(store, threads=1, queued=1) as writer:
+        writer.put(partial(make, 0, blocked), size=1000)
+        for k in range(1, 5):
+            writer.put(partial(make, k, partial(rows, k, k + 1)), size=250)
+        fifth = threading.Thread(
+            target=writer.put, args=(partial(make, 5, partial(rows, 5, 6)),), kwargs={"size": 250}
+        )
+        fifth.start()
+        fifth.join(0.3)
+        assert fifth.is_alive() and made == [0, 1, 2, 3, 4]  # 1000 + 4 x 250: full
+        release.set()
+        fifth.join(10)
+        writer.put(partial(make, 6, partial(rows, 6, 7)), size=5000)  # alone, once all are done
+    assert made == list(range(7))
+    assert [s.end for s in store.manifest.shards] == list(range(1, 8))
+
+
 def test_the_writers_wait_for_rows_is_counted(tmp_path: Path) -> None:
     store = open_store(tmp_path)
 

@@ -193,6 +193,35 @@ def scratch(root: str | Path | None) -> Any:
         shutil.rmtree(made, ignore_errors=True)
 
 
+class RunFolders:
+    """A fresh folder under `root` for each timed run. After a run (untimed), the runs so far
+    are deleted only when the disk could not hold two more of the largest: deleting a run's
+    gigabytes held the next run's first fsyncs for up to a second on the lent H200 machine
+    (an ext4 root mounted with `discard`), a cost of the bench's cleanup that a single
+    extraction does not pay. `close` deletes what is left."""
+
+    SPARE = 1 << 30  # bytes the disk keeps free besides two runs
+
+    def __init__(self, root: Path, prefix: str) -> None:
+        self.root, self.prefix = root, prefix
+        self.runs: list[Path] = []
+        self.largest = 0
+
+    def new(self) -> Path:
+        self.runs.append(Path(tempfile.mkdtemp(prefix=self.prefix, dir=self.root)))
+        return self.runs[-1]
+
+    def done(self) -> None:
+        size = sum(f.stat().st_size for f in self.runs[-1].rglob("*") if f.is_file())
+        self.largest = max(self.largest, size)
+        if shutil.disk_usage(self.root).free < 2 * self.largest + self.SPARE:
+            self.close()
+
+    def close(self) -> None:
+        while self.runs:
+            shutil.rmtree(self.runs.pop(), ignore_errors=True)
+
+
 def run(
     model: str | Path,
     prompts: int,
@@ -291,20 +320,19 @@ def time_extract(
 ) -> tuple[Timing, int, int, ExtractionStats]:
     """Times of `llm.extract` of `texts` on a vinterp engine with capture buffers at the
     sites (and the SAE directories `saes` attached), each run into a fresh directory under
-    `root` that is deleted after the run (not timed); the bytes of site values one run
-    wrote, its rows, and the statistics of the timed run of median time."""
+    `root` (`RunFolders`: deleted, untimed, when the disk needs the room); the bytes of site
+    values one run wrote, its rows, and the statistics of the timed run of median time."""
     written: list[int] = []
     count: list[int] = []
     stats: list[ExtractionStats] = []
-    runs: list[Path] = []
+    runs = RunFolders(root, "run-")
     kwargs = {**engine_settings(x.sites, x.positions), **engine_kwargs}
     if x.num_layers is not None:
         kwargs["num_layers"] = x.num_layers
     with vinterp_engine(model, dtype, saes, **kwargs) as llm:
 
         def extract(prompts: list[str] = texts) -> None:
-            runs.append(Path(tempfile.mkdtemp(prefix="run-", dir=root)))
-            out = runs[-1] / "acts"
+            out = runs.new() / "acts"
             result = llm.extract(
                 prompts, x.sites, out=out, positions=x.positions, topk=x.topk, use_tqdm=False
             )
@@ -312,11 +340,11 @@ def time_extract(
             count.append(result.dataset.num_rows)
             stats.append(result.stats)
 
-        def remove() -> None:
-            shutil.rmtree(runs.pop(), ignore_errors=True)
-
         warm = {x.key: partial(extract, warm_up(texts))}
-        timing = timed_interleaved({x.key: extract}, repeats, {x.key: remove}, warm)[x.key]
+        try:
+            timing = timed_interleaved({x.key: extract}, repeats, {x.key: runs.done}, warm)[x.key]
+        finally:
+            runs.close()
     timed = stats[-len(timing.times) :]
     median = sorted(range(len(timed)), key=lambda k: timing.times[k])[len(timed) // 2]
     return timing, written[-1], count[-1], timed[median]
@@ -326,10 +354,9 @@ def time_store_alone(
     root: Path, columns: Columns, rows: int, repeats: int, threads: int = WRITER_THREADS
 ) -> Timing:
     """Times of the store writing `rows` rows of `columns` into a fresh directory under
-    `root` (deleted after each run, not timed) at `llm.extract`'s shard size, on `threads`
-    writers (an engine's, or as many as data-parallel replicas have), from one shard of
-    random values made beforehand: the disk's and Arrow's share of an extraction, with no
-    engine."""
+    `root` (`RunFolders`) at `llm.extract`'s shard size, on `threads` writers (an engine's, or
+    as many as data-parallel replicas have), from one shard of random values made beforehand:
+    the disk's and Arrow's share of an extraction, with no engine."""
     size = shard_bytes(columns, BUFFER_GB)
     per_shard = max(size // row_size(columns), 1)
     random = np.random.default_rng(0)
@@ -339,22 +366,22 @@ def time_store_alone(
         count = int(np.prod(shape))
         block[name] = np.frombuffer(random.bytes(count * np.dtype(dtype).itemsize), dtype)
         block[name] = block[name].reshape(shape)
-    runs: list[Path] = []
+    runs = RunFolders(root, "store-")
 
     def write(rows: int = rows) -> None:
-        runs.append(Path(tempfile.mkdtemp(prefix="store-", dir=root)))
-        store = ActivationStore.open(runs[-1], {"bench": "store alone"}, columns, ShardSizes(size))
+        spec = {"bench": "store alone"}
+        store = ActivationStore.open(runs.new(), spec, columns, ShardSizes(size))
         with ShardWriter(store, threads) as writer:
             for index, start in enumerate(range(0, rows, per_shard)):
                 n = min(per_shard, rows - start)
                 shard = {name: values[:n] for name, values in block.items()}
                 writer.put(partial(PendingShard, index, index + 1, partial(dict, shard), dict))
 
-    def remove() -> None:
-        shutil.rmtree(runs.pop(), ignore_errors=True)
-
     warm = {"store": partial(write, min(rows, per_shard))}
-    return timed_interleaved({"store": write}, repeats, {"store": remove}, warm)["store"]
+    try:
+        return timed_interleaved({"store": write}, repeats, {"store": runs.done}, warm)["store"]
+    finally:
+        runs.close()
 
 
 def hf_rows(

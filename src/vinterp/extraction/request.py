@@ -44,8 +44,9 @@ DEVICE_SHARE = 0.25
 # Shards queued for a writer thread, their rows already asked for: the take's round trip to
 # the workers overlaps the writes in progress, so a thread that frees finds rows on their way.
 QUEUED_SHARDS = 2
-# Shards of host memory in hand at once: each the writer holds (`WRITER_THREADS` being
-# written, `QUEUED_SHARDS` queued), as captured rows and as columns where these are copies.
+# Full shards of host memory in hand at once: the bytes the writer holds (`WRITER_THREADS` being
+# written, `QUEUED_SHARDS` queued, in full shards' bytes), as captured rows and as columns where
+# these are copies.
 SHARDS_IN_FLIGHT = 2 * (WRITER_THREADS + QUEUED_SHARDS)
 # A shard holds the prompts of at most this many full engine steps, so that writing it
 # overlaps the engine's next steps from early on and the last write after the engine is done

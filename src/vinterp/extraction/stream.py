@@ -32,6 +32,7 @@ from vinterp.store import (
     ShardEntry,
     ShardWriter,
     column_values,
+    row_size,
 )
 from vinterp.wire.request_specs import RequestSpecs
 from vinterp.wire.specs import Capture
@@ -105,14 +106,15 @@ def run_shards(
                 owner[next(counter)] = (entry, k)
                 yield prompt.ids, PREFILL_ONLY, RequestSpecs(capture=capture, capture_id=capture_id)
 
-    began, tokens = time.perf_counter(), 0
+    began, tokens, row_bytes = time.perf_counter(), 0, row_size(store.columns)
     with ShardWriter(store, queued=QUEUED_SHARDS, commit=commit) as writer:
 
         def write_finished() -> None:
             nonlocal tokens
             while started and started[0][1].waiting == 0:
                 number, entry = started[0]
-                writer.put(partial(pending_shard, backend, entry, capture, store), number)
+                size = entry.shard.rows * row_bytes
+                writer.put(partial(pending_shard, backend, entry, capture, store), number, size)
                 started.popleft()
                 tokens += entry.shard.counts[TOKENS]
                 on_shard(entry.shard, tokens)

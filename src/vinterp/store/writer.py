@@ -1,9 +1,11 @@
 """Shards written by several disk writers while the caller computes the next ones.
 
 One bounded queue of (shard, its pending take) feeds `threads` writers. A shard enters the
-queue only when fewer than `threads + queued` are in hand (queued or being written), and its
-take — the request for its captured rows — is sent only then, so the rows reach host memory
-only when there is room for them. Each writer waits for its shard's rows, builds the columns
+queue only when the shards in hand (queued or being written) and it hold at most the bytes of
+`threads + queued` full shards (the manifest's shard size; any shard when none is in hand), and
+its take — the request for its captured rows — is sent only then, so the rows reach host
+memory only when there is room for them, and smaller shards (the tail's) flow as many at once
+as fit. Each writer waits for its shard's rows, builds the columns
 and writes the file; whichever writer finishes a shard lists every shard that is now next in
 order in the manifest (the commit point, through an `InOrderLister`). A caller that outpaces
 the disk waits in `put`."""
@@ -77,13 +79,16 @@ class ShardWriter:
         self.commit = commit or store.add
         self.stats = WriterStats()
         self._room = threading.Condition()  # guards everything below
-        self._in_hand, self._bound = 0, threads + queued
+        self._full = store.manifest.sizes.bytes  # a full shard's bytes of rows
+        self._in_hand, self._in_hand_bytes, self._bound = 0, 0, (threads + queued) * self._full
         self._next = 0  # the next put's index, in put order
         self._number = len(store.manifest.shards)  # the next shard's number (its file name)
         self._lister: InOrderLister[ShardEntry] = InOrderLister()  # by put index
         self._error: BaseException | None = None
         self._error_at = -1  # the failed shard's number (the first in order is raised)
-        self._queue: queue.SimpleQueue[tuple[int, int, PendingShard] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, int, PendingShard] | None] = (
+            queue.SimpleQueue()
+        )
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"vinterp-shard-writer-{k}", daemon=True)
             for k in range(threads)
@@ -91,30 +96,39 @@ class ShardWriter:
         for writer in self._writers:
             writer.start()
 
-    def put(self, make: Callable[[], PendingShard], number: int | None = None) -> None:
-        """Queue the shard `make()` gives, once fewer than `threads + queued` are in hand:
-        `make` runs only then (it sends the take), so rows are asked for only when there is
-        room for them. `number` names its file (default: the next after the last put); shards
-        are listed in the order they were put."""
+    def put(
+        self, make: Callable[[], PendingShard], number: int | None = None, size: int | None = None
+    ) -> None:
+        """Queue the shard `make()` gives, of `size` bytes of rows (default: a full shard's),
+        once there is room for it: `make` runs only then (it sends the take), so rows are asked
+        for only when there is room for them. `number` names its file (default: the next after
+        the last put); shards are listed in the order they were put."""
+        size = self._full if size is None else size
         began = time.perf_counter()
         with self._room:
-            self._room.wait_for(lambda: self._in_hand < self._bound or self._error is not None)
+            self._room.wait_for(lambda: self._fits(size) or self._error is not None)
             if self._error is not None:  # raised once every shard put before it is done, so
                 # an earlier shard that fails later is the one raised (the first in put order)
                 self._room.wait_for(lambda: self._lister.next >= self._error_at)
             self._raise()
-            self._in_hand += 1
+            self._in_hand, self._in_hand_bytes = self._in_hand + 1, self._in_hand_bytes + size
         self.stats.caller_waited_s += time.perf_counter() - began
         try:
             shard = make()
         except BaseException:
-            with self._room:
-                self._in_hand -= 1
-                self._room.notify_all()
+            self._free(size)
             raise
         number = self._number if number is None else number
-        self._queue.put((self._next, number, shard))
+        self._queue.put((self._next, number, size, shard))
         self._next, self._number = self._next + 1, number + 1
+
+    def _fits(self, size: int) -> bool:
+        return self._in_hand == 0 or self._in_hand_bytes + size <= self._bound
+
+    def _free(self, size: int) -> None:
+        with self._room:
+            self._in_hand, self._in_hand_bytes = self._in_hand - 1, self._in_hand_bytes - size
+            self._room.notify_all()
 
     def close(self) -> None:
         """Write and list what was put, stop the writers, raise the first error if any."""
@@ -143,13 +157,14 @@ class ShardWriter:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            index, number, shard = item
+            index, number, size, shard = item
             try:
                 entry = self._write(index, number, shard)
             except BaseException as exc:
                 self._done(index, FAILED, exc)
             else:
                 self._done(index, entry, None)
+            self._free(size)
             del shard, item
 
     def _write(self, index: int, number: int, shard: PendingShard) -> ShardEntry | object:
@@ -171,7 +186,7 @@ class ShardWriter:
 
     def _done(self, index: int, entry: ShardEntry | object, error: BaseException | None) -> None:
         """Shard `index` (in put order) is finished (written, failed or dropped): list every
-        shard now next in order, free its room, keep the first error in put order."""
+        shard now next in order, keep the first error in put order."""
         with self._room:
             if error is not None and (self._error is None or index < self._error_at):
                 self._error, self._error_at = error, index
@@ -186,5 +201,4 @@ class ShardWriter:
                     self.stats.shards += len(ready)
                     self.stats.rows += sum(e.rows for e in ready)
                     self.stats.bytes += sum(e.bytes for e in ready)
-            self._in_hand -= 1
             self._room.notify_all()
