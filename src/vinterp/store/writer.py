@@ -161,10 +161,9 @@ class ShardWriter:
             try:
                 entry = self._write(index, number, shard)
             except BaseException as exc:
-                self._done(index, FAILED, exc)
+                self._done(index, size, FAILED, exc)
             else:
-                self._done(index, entry, None)
-            self._free(size)
+                self._done(index, size, entry, None)
             del shard, item
 
     def _write(self, index: int, number: int, shard: PendingShard) -> ShardEntry | object:
@@ -184,9 +183,11 @@ class ShardWriter:
         del rows  # the captured data is not held while the file is written
         return self.store.write(number, shard.start, shard.end, values, shard.counts)
 
-    def _done(self, index: int, entry: ShardEntry | object, error: BaseException | None) -> None:
-        """Shard `index` (in put order) is finished (written, failed or dropped): list every
-        shard now next in order, keep the first error in put order."""
+    def _done(
+        self, index: int, size: int, entry: ShardEntry | object, error: BaseException | None
+    ) -> None:
+        """Shard `index` (in put order, `size` bytes) is finished (written, failed or dropped):
+        list every shard now next in order, free its room, keep the first error in put order."""
         with self._room:
             if error is not None and (self._error is None or index < self._error_at):
                 self._error, self._error_at = error, index
@@ -201,4 +202,4 @@ class ShardWriter:
                     self.stats.shards += len(ready)
                     self.stats.rows += sum(e.rows for e in ready)
                     self.stats.bytes += sum(e.bytes for e in ready)
-            self._room.notify_all()
+            self._free(size)  # the condition's lock is reentrant
