@@ -25,8 +25,10 @@ The `mid` engine (`--engines plain,mid`) runs layers 0..L of an L = layers/2 ext
 every prompt position (twice), alternating with the same without the tail's smaller shards
 (twice), then with the tail cut finer and with fsync off; per extraction the seconds before
 the first engine step (set-up, feed) and after the last (last writes, commit, reload), and the
-call's parts (open_job, finish, load_dataset). Each dataset is removed and the disk synced
-before the next phase, so no phase pays for the last one's files.
+call's parts (open_job, finish, load_dataset). Datasets are kept while the disk has room for
+two more (`bench.extraction.RunFolders`): a removal's discards stalled the next phase's first
+fsyncs on the lent H200. The `plain_mid` engine is plain vLLM cut to the same layers 0..L
+(`hf_overrides`, random weights): its prefill is the floor without vinterp.
 
 Probes only: nothing here changes what vinterp does, except the variants named above.
 """
@@ -405,7 +407,12 @@ def main() -> None:
 
     import vinterp
     from vinterp.bench import bench_sae
-    from vinterp.bench.extraction import prompt_texts, spaced_layers, time_store_alone
+    from vinterp.bench.extraction import (
+        RunFolders,
+        prompt_texts,
+        spaced_layers,
+        time_store_alone,
+    )
     from vinterp.bench.workloads import checkpoint_config, plain_vllm
     from vinterp.cli import _bench_model
     from vinterp.engine.plain_vllm import greedy_params
@@ -434,38 +441,66 @@ def main() -> None:
     warm = texts[: max(len(texts) // 16, 8)]
     sampling = {"max_tokens": args.gen_tokens, "ignore_eos": True}
 
-    if "plain" in engines:
-        with phases.phase("plain: engine start"):
-            context = plain_vllm(model, args.dtype, **common)
+    one = greedy_params(1)
+    gen_params = greedy_params(args.gen_tokens, ignore_eos=True)
+
+    def plain_engine(label: str, rows: list[tuple[str, list[str], Any]], **kwargs: Any) -> None:
+        """Plain vLLM with `kwargs`: started (timed), warmed, then each (name, prompts,
+        params) row's generate timed as the phase `label: name`."""
+        with phases.phase(f"{label}: engine start", kwargs=str(kwargs)):
+            context = plain_vllm(model, args.dtype, **kwargs)
             plain = context.__enter__()
-        one = greedy_params(1)
-        gen_params = greedy_params(args.gen_tokens, ignore_eos=True)
         plain.generate(warm, one, use_tqdm=False)
         plain.generate(gen[:8], gen_params, use_tqdm=False)
-        for name, prompts, params in (
-            ("plain: prefill", texts, one),
-            ("plain: prefill again", texts, one),
-            ("plain: prefill of the SAE prompts", sae_texts, one),
-            ("plain: generation", gen, gen_params),
-            ("plain: generation again", gen, gen_params),
-        ):
-            with phases.phase(name, prompts=len(prompts)):
+        for name, prompts, params in rows:
+            with phases.phase(f"{label}: {name}", prompts=len(prompts)):
                 plain.generate(prompts, params, use_tqdm=False)
         context.__exit__(None, None, None)
+
+    if "plain" in engines:
+        plain_engine(
+            "plain",
+            [
+                ("prefill", texts, one),
+                ("prefill again", texts, one),
+                ("prefill of the SAE prompts", sae_texts, one),
+                ("generation", gen, gen_params),
+                ("generation again", gen, gen_params),
+            ],
+            **common,
+        )
+    if "plain_mid" in engines:
+        # random weights (they time as real ones do): vLLM's loader refuses a checkpoint's
+        # layers beyond the cut
+        plain_engine(
+            "plain_mid",
+            [("prefill", texts, one), ("prefill again", texts, one)],
+            **{
+                **common,
+                "load_format": "dummy",
+                "hf_overrides": {"num_hidden_layers": int(config.num_hidden_layers) // 2 + 1},
+            },
+        )
 
     def prefill(llm: Any, name: str, prompts: list[str]) -> None:
         with phases.phase(name, prompts=len(prompts)):
             llm.generate(prompts, max_tokens=1, use_tqdm=False)
 
-    def extract(llm: Any, name: str, prompts: list[str], out: Path, **kwargs: Any) -> None:
+    runs = RunFolders(root, "run-")
+
+    def extract(
+        llm: Any, name: str, prompts: list[str], out: Path | None = None, **kwargs: Any
+    ) -> None:
+        """One timed extraction into `out`, removed after it, or into a kept run folder."""
         if name.split(":")[0] in skip:
             return
+        folder = out or runs.new()
         with phases.phase(name, prompts=len(prompts)) as info:
             result = llm.extract(
                 prompts,
                 kwargs.pop("sites", sites),
                 positions=kwargs.pop("positions", "all_prompt"),
-                out=out,
+                out=folder,
                 use_tqdm=False,
                 **kwargs,
             )
@@ -479,8 +514,10 @@ def main() -> None:
                 "writers_waited_s": stats.writers_waited_s,
                 "shards": stats.shards,
             }
-        shutil.rmtree(out, ignore_errors=True)
-        os.sync()
+        if out is None:
+            runs.done()
+        else:
+            shutil.rmtree(out, ignore_errors=True)
 
     def generations(llm: Any, label: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
         for name, kwargs in rows:
@@ -516,7 +553,6 @@ def main() -> None:
             llm,
             "layers: extract every layer at last_prompt",
             texts,
-            root / "l",
             sites="layers.*.output",
             positions="last_prompt",
         )
@@ -524,13 +560,13 @@ def main() -> None:
             llm,
             "layers: extract every layer at last_prompt again",
             texts,
-            root / "m",
             sites="layers.*.output",
             positions="last_prompt",
         )
         llm.shutdown()
 
     if "bulk" not in engines:
+        runs.close()
         return finish(args, results, phases, samplers, smi, smi_log, probe_dir)
     with phases.phase("sae.fixed: save a random SAE (bench set-up, not a user's cost)"):
         sae_dir = Path(tempfile.mkdtemp(prefix="vinterp-profile-sae-"))
@@ -559,15 +595,15 @@ def main() -> None:
     shutil.rmtree(root / "warm", ignore_errors=True)
 
     prefill(llm, "prefill (no capture)", texts)
-    extract(llm, "extract.default", texts, root / "a")
+    extract(llm, "extract.default", texts)
     prefill(llm, "prefill (no capture) again", texts)
-    extract(llm, "extract.default again", texts, root / "b")
-    extract(llm, "extract.queue_x4: buffer_gb=16", texts, root / "c", buffer_gb=16.0)
+    extract(llm, "extract.default again", texts)
+    extract(llm, "extract.queue_x4: buffer_gb=16", texts, buffer_gb=16.0)
     if "extract.no_fsync" not in skip:
         with no_fsync():
-            extract(llm, "extract.no_fsync", texts, root / "d")
+            extract(llm, "extract.no_fsync", texts)
     with switch_interval(0.0005):
-        extract(llm, "extract.switch_0.5ms", texts, root / "e")
+        extract(llm, "extract.switch_0.5ms", texts)
     if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 40e9:
         extract(
             llm,
@@ -585,7 +621,6 @@ def main() -> None:
         llm,
         f"sae: extract top-{bench_sae.TOPK} {features}",
         sae_texts,
-        root / "s",
         sites=[features],
         topk=bench_sae.TOPK,
     )
@@ -615,6 +650,7 @@ def main() -> None:
         ],
     )
     llm.shutdown()
+    runs.close()
     finish(args, results, phases, samplers, smi, smi_log, probe_dir)
 
 
@@ -637,8 +673,10 @@ def mid_engine(
     middle = int(config.num_hidden_layers) // 2
     site = f"layers.{middle}.output"
     kwargs = {**common, **engine_settings([site]), "num_layers": middle + 1}
-    with phases.phase("mid: engine start", kwargs=str(kwargs)):
+    with phases.phase("mid: engine start", kwargs=str(kwargs)) as info:
         llm = vinterp.LLM(model, dtype=args.dtype, **kwargs)
+    if "error" in info:
+        return
     probe_engine_loop(llm)
     root = Path(tempfile.mkdtemp(prefix="vinterp-profile-mid-"))
     llm.generate(warm, max_tokens=1, use_tqdm=False)
@@ -646,14 +684,14 @@ def mid_engine(
     shutil.rmtree(root / "warm", ignore_errors=True)
     prefill(llm, "mid: prefill (no capture)", texts)
     for again in ("", " again"):
-        extract(llm, f"mid: extract.default{again}", texts, root / "a", sites=site)
+        extract(llm, f"mid: extract.default{again}", texts, sites=site)
         with tail_shards(0, 1):
-            extract(llm, f"mid: extract.no_tail{again}", texts, root / "b", sites=site)
+            extract(llm, f"mid: extract.no_tail{again}", texts, sites=site)
     prefill(llm, "mid: prefill (no capture) again", texts)
     with tail_shards(2, 8):
-        extract(llm, "mid: extract.tail_8", texts, root / "c", sites=site)
+        extract(llm, "mid: extract.tail_8", texts, sites=site)
     with no_fsync():
-        extract(llm, "mid: extract.no_fsync", texts, root / "d", sites=site)
+        extract(llm, "mid: extract.no_fsync", texts, sites=site)
     llm.shutdown()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -692,6 +730,7 @@ RATIOS = (  # (row, phase, plain phase)
         "plain: prefill",
     ),
     ("SAE top-k extraction", "sae: extract top-", "plain: prefill of the SAE prompts"),
+    ("plain vLLM, layers 0..L", "plain_mid: prefill", "plain: prefill"),
     ("mid: layers 0..L, no capture", "mid: prefill (no capture)", "plain: prefill"),
     ("mid: extract layer L", "mid: extract.default", "plain: prefill"),
     ("mid: extract layer L again", "mid: extract.default again", "plain: prefill"),
