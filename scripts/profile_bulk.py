@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +389,13 @@ def main() -> None:
         "bulk (the profile)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        help="a folder: the plain_mid and mid engines each profile one prefill of "
+        "--kernel-prompts prompts with the torch profiler; its op table goes to FOLDER/ENGINE.txt",
+    )
+    parser.add_argument("--kernel-prompts", type=int, default=64)
     parser.add_argument("--records", default=None, help="copy the engine-core records here")
     args = parser.parse_args()
 
@@ -444,9 +452,14 @@ def main() -> None:
     one = greedy_params(1)
     gen_params = greedy_params(args.gen_tokens, ignore_eos=True)
 
-    def plain_engine(label: str, rows: list[tuple[str, list[str], Any]], **kwargs: Any) -> None:
+    def plain_engine(
+        label: str, rows: list[tuple[str, list[str], Any]], profiled: bool, **kwargs: Any
+    ) -> None:
         """Plain vLLM with `kwargs`: started (timed), warmed, then each (name, prompts,
-        params) row's generate timed as the phase `label: name`."""
+        params) row's generate timed as the phase `label: name`; `profiled`: then the
+        kernel table of one prefill (--kernels)."""
+        if profiled:
+            kwargs |= kernel_profiler(args, label)
         with phases.phase(f"{label}: engine start", kwargs=str(kwargs)):
             context = plain_vllm(model, args.dtype, **kwargs)
             plain = context.__enter__()
@@ -455,6 +468,13 @@ def main() -> None:
         for name, prompts, params in rows:
             with phases.phase(f"{label}: {name}", prompts=len(prompts)):
                 plain.generate(prompts, params, use_tqdm=False)
+        if profiled:
+            kernel_table(
+                args,
+                label,
+                plain,
+                lambda: plain.generate(texts[: args.kernel_prompts], one, use_tqdm=False),
+            )
         context.__exit__(None, None, None)
 
     if "plain" in engines:
@@ -467,6 +487,7 @@ def main() -> None:
                 ("generation", gen, gen_params),
                 ("generation again", gen, gen_params),
             ],
+            False,
             **common,
         )
     if "plain_mid" in engines:
@@ -475,6 +496,7 @@ def main() -> None:
         plain_engine(
             "plain_mid",
             [("prefill", texts, one), ("prefill again", texts, one)],
+            args.kernels is not None,
             **{
                 **common,
                 "load_format": "dummy",
@@ -673,6 +695,8 @@ def mid_engine(
     middle = int(config.num_hidden_layers) // 2
     site = f"layers.{middle}.output"
     kwargs = {**common, **engine_settings([site]), "num_layers": middle + 1}
+    if args.kernels:
+        kwargs |= kernel_profiler(args, "mid")
     with phases.phase("mid: engine start", kwargs=str(kwargs)) as info:
         llm = vinterp.LLM(model, dtype=args.dtype, **kwargs)
     if "error" in info:
@@ -692,8 +716,37 @@ def mid_engine(
         extract(llm, "mid: extract.tail_8", texts, sites=site)
     with no_fsync():
         extract(llm, "mid: extract.no_fsync", texts, sites=site)
+    if args.kernels:
+        prompts = texts[: args.kernel_prompts]
+        kernel_table(
+            args,
+            "mid",
+            llm.backend.llm,
+            lambda: llm.generate(prompts, max_tokens=1, use_tqdm=False),
+        )
     llm.shutdown()
     shutil.rmtree(root, ignore_errors=True)
+
+
+def kernel_profiler(args: Any, label: str) -> dict[str, Any]:
+    """Engine arguments that let `kernel_table` profile engine `label`'s workers."""
+    folder = Path(args.kernels).resolve() / label
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"profiler": "torch", "torch_profiler_dir": str(folder)}
+    return {"profiler_config": config | {"torch_profiler_with_stack": False}}
+
+
+def kernel_table(args: Any, label: str, engine: Any, run: Callable[[], Any]) -> None:
+    """Profile `run()` on `engine` (a `vllm.LLM` started with `kernel_profiler`); its workers'
+    op tables (vLLM writes them on stop) go to --kernels/LABEL.txt."""
+    folder = Path(args.kernels).resolve() / label
+    engine.start_profile()
+    run()
+    engine.stop_profile()
+    tables = sorted(folder.glob("*profiler_out*.txt"))
+    text = "\n".join(table.read_text() for table in tables)
+    (folder.parent / f"{label}.txt").write_text(text or "no table written\n")
+    print(f"   kernels of {label}: {len(tables)} table(s)", flush=True)
 
 
 def finish(
