@@ -500,7 +500,7 @@ def main() -> None:
             **{
                 **common,
                 "load_format": "dummy",
-                "hf_overrides": {"num_hidden_layers": int(config.num_hidden_layers) // 2 + 1},
+                "hf_overrides": {"num_hidden_layers": middle_layer(config) + 1},
             },
         )
 
@@ -692,7 +692,7 @@ def mid_engine(
     import vinterp
     from vinterp.extraction.request import engine_settings
 
-    middle = int(config.num_hidden_layers) // 2
+    middle = middle_layer(config)
     site = f"layers.{middle}.output"
     kwargs = {**common, **engine_settings([site]), "num_layers": middle + 1}
     if args.kernels:
@@ -728,9 +728,19 @@ def mid_engine(
     shutil.rmtree(root, ignore_errors=True)
 
 
+def middle_layer(config: Any) -> int:
+    """L of the mid engines: the layer halfway down the model, their deepest."""
+    return int(config.num_hidden_layers) // 2
+
+
+def kernel_folder(args: Any, label: str) -> Path:
+    """Where engine `label`'s workers write their profiler traces and op tables."""
+    return Path(args.kernels).resolve() / label
+
+
 def kernel_profiler(args: Any, label: str) -> dict[str, Any]:
     """Engine arguments that let `kernel_table` profile engine `label`'s workers."""
-    folder = Path(args.kernels).resolve() / label
+    folder = kernel_folder(args, label)
     folder.mkdir(parents=True, exist_ok=True)
     config = {"profiler": "torch", "torch_profiler_dir": str(folder)}
     return {"profiler_config": config | {"torch_profiler_with_stack": False}}
@@ -739,7 +749,7 @@ def kernel_profiler(args: Any, label: str) -> dict[str, Any]:
 def kernel_table(args: Any, label: str, engine: Any, run: Callable[[], Any]) -> None:
     """Profile `run()` on `engine` (a `vllm.LLM` started with `kernel_profiler`); its workers'
     op tables (vLLM writes them on stop) go to --kernels/LABEL.txt."""
-    folder = Path(args.kernels).resolve() / label
+    folder = kernel_folder(args, label)
     engine.start_profile()
     run()
     engine.stop_profile()

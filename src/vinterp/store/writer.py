@@ -5,10 +5,10 @@ queue only when the shards in hand (queued or being written) and it hold at most
 `threads + queued` full shards (the manifest's shard size; any shard when none is in hand), and
 its take — the request for its captured rows — is sent only then, so the rows reach host
 memory only when there is room for them, and smaller shards (the tail's) flow as many at once
-as fit. Each writer waits for its shard's rows, builds the columns
-and writes the file; whichever writer finishes a shard lists every shard that is now next in
-order in the manifest (the commit point, through an `InOrderLister`). A caller that outpaces
-the disk waits in `put`."""
+as fit. Each writer waits for its shard's rows, builds the columns and writes the file;
+whichever writer finishes a shard lists every shard that is now next in order in the manifest
+(the commit point, through an `InOrderLister`). A caller that outpaces the disk waits in
+`put`."""
 
 from __future__ import annotations
 
