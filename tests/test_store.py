@@ -185,6 +185,56 @@ def test_a_full_disk_leaves_no_shard_looking_complete(
     assert np.array_equal(loaded(tmp_path)["prompt"], rows(0, 4)["prompt"])
 
 
+def test_a_large_file_is_sent_to_disk_in_slices_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each full slice's writeback is asked for once, in order, the slices together covering
+    every byte but the short last one's (the fsync sends it); the file holds what was written,
+    whatever sizes its writes came in."""
+    monkeypatch.setattr(files, "WRITEBACK_BYTES", 1000)
+    asked: list[tuple[int, int]] = []
+    real = files.os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == files.os.POSIX_FADV_DONTNEED
+        asked.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(files.os, "posix_fadvise", record)
+    data = np.random.default_rng(0).integers(0, 256, 4321, dtype=np.uint8).tobytes()
+
+    def write(file: Any) -> None:
+        at = 0
+        for size in (7, 1493, 1, 2498, 322):  # 4321 bytes
+            file.write(data[at : at + size])
+            at += size
+
+    assert files.write_atomic(tmp_path / "big", write) == len(data)
+    assert (tmp_path / "big").read_bytes() == data
+    offsets = [offset for offset, _ in asked]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert all(offset + length == nxt for (offset, length), nxt in zip(asked, offsets[1:]))
+    assert all(length >= 1000 for _, length in asked)
+    assert len(data) - 1000 < sum(length for _, length in asked) <= len(data)
+
+
+def test_a_file_system_that_cannot_start_writeback_still_gets_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files, "WRITEBACK_BYTES", 100)
+    asked: list[int] = []
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        asked.append(offset)
+        raise OSError(errno.ESPIPE, "Illegal seek")
+
+    monkeypatch.setattr(files.os, "posix_fadvise", refuse)
+    data = bytes(range(256)) * 4
+    assert files.write_atomic(tmp_path / "f", lambda file: file.write(data)) == len(data)
+    assert (tmp_path / "f").read_bytes() == data
+    assert asked == [0]  # refused once, then not asked again
+
+
 def test_a_shard_that_does_not_follow_is_refused(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     with pytest.raises(ValueError, match="does not follow prompt 0"):
