@@ -51,6 +51,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kernel_trace import summary, trace_events  # this folder's
+
 HERE = Path(__file__).resolve().parent
 PROBES = HERE / "profile_probes"
 
@@ -748,13 +750,16 @@ def kernel_profiler(args: Any, label: str) -> dict[str, Any]:
 
 def kernel_table(args: Any, label: str, engine: Any, run: Callable[[], Any]) -> None:
     """Profile `run()` on `engine` (a `vllm.LLM` started with `kernel_profiler`); its workers'
-    op tables (vLLM writes them on stop) go to --kernels/LABEL.txt."""
+    op tables (vLLM writes them on stop) and the device timeline of their traces
+    (`kernel_trace.py`) go to --kernels/LABEL.txt."""
     folder = kernel_folder(args, label)
     engine.start_profile()
     run()
     engine.stop_profile()
     tables = sorted(folder.glob("*profiler_out*.txt"))
     text = "\n".join(table.read_text() for table in tables)
+    for trace in sorted(folder.glob("*.pt.trace.json*")):
+        text += f"\n== device timeline of {trace.name}\n{summary(trace_events(trace))}\n"
     (folder.parent / f"{label}.txt").write_text(text or "no table written\n")
     print(f"   kernels of {label}: {len(tables)} table(s)", flush=True)
 
