@@ -36,16 +36,23 @@ class TraceFrontEnd:
         """Token ids of a text prompt (the model's tokenizer)."""
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, as `encode` gives them; a local tokenizer takes them in one
+        call (a fast tokenizer spreads them over the cores)."""
+        return [self.encode(text) for text in texts]
+
     def tokenize(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt (a text, or token ids already)."""
+        """Token ids of each prompt (a text, or token ids already); the texts in one batch."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]  # type: ignore[union-attr]
+        encoded = iter(self.encode_batch(texts) if texts else [])
         token_lists = []
         for prompt in prompts:  # type: ignore[union-attr]
             if isinstance(prompt, str):
-                token_lists.append(self.encode(prompt))
+                token_lists.append(next(encoded))
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 token_lists.append(list(prompt))
             else:

@@ -91,6 +91,9 @@ class LocalModel(TraceFrontEnd):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts).input_ids
+
     def shutdown(self) -> None:
         """Stop the engine and its worker processes (also done at interpreter exit)."""
         self.backend.shutdown()

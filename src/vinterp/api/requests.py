@@ -145,15 +145,18 @@ def prepare(
     the registered steering names, when the caller has them (else asked when needed)."""
     items = prompts if isinstance(prompts, list) and not _is_token_ids(prompts) else [prompts]
     order = site_order(llm.config)
-    prepared = []
     for item in items:
         if not isinstance(item, (Request, str, list)):
             raise TypeError(
                 f"a prompt is a string, a list of token ids or a vinterp.Request, "
                 f"got {type(item).__name__}"
             )
-        request = item if isinstance(item, Request) else Request(item)
-        (ids,) = llm.tokenize(request.prompt)
+    requests = [item if isinstance(item, Request) else Request(item) for item in items]
+    token_lists = llm.tokenize([request.prompt for request in requests])  # one batch of texts
+    prepared = []
+    for k, (request, ids) in enumerate(zip(requests, token_lists)):
+        if not ids:
+            raise ValueError(f"prompt {k} has no tokens: give a text or at least one token id")
         req = Prepared(ids, sampling_kwargs({**sampling, **request.sampling}))
         for spec in _steering_list(steering) + _steering_list(request.steering):
             if isinstance(spec, str):
