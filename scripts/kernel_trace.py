@@ -44,20 +44,21 @@ def summary(events: list[dict[str, Any]], gaps_shown: int = 8, kernels_shown: in
     for gap, at, name in sorted(gaps, reverse=True)[:gaps_shown]:
         calls = collections.Counter(r["name"] for r in runtime if at <= r["ts"] <= at + gap)
         lines.append(f"  idle {gap / 1e3:.2f} ms before {name[:60]}: {calls.most_common(3)}")
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for e in device:
-        totals[e["name"][:90]][0] += 1
-        totals[e["name"][:90]][1] += e["dur"]
-    for name, (count, us) in sorted(totals.items(), key=lambda t: -t[1][1])[:kernels_shown]:
-        lines.append(f"  {us / 1e3:9.2f} ms {int(count):5d}x  {name}")
-    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for r in runtime:
-        calls[r["name"]][0] += 1
-        calls[r["name"]][1] += r["dur"]
-    top = sorted(calls.items(), key=lambda t: -t[1][1])[:10]
-    listed = (f"{name} {int(count)}x {us / 1e3:.2f} ms" for name, (count, us) in top)
+    for name, count, us in by_name(device)[:kernels_shown]:
+        lines.append(f"  {us / 1e3:9.2f} ms {count:5d}x  {name}")
+    listed = (f"{name} {count}x {us / 1e3:.2f} ms" for name, count, us in by_name(runtime)[:10])
     lines.append("  runtime: " + ", ".join(listed))
     return "\n".join(lines)
+
+
+def by_name(events: list[dict[str, Any]], width: int = 90) -> list[tuple[str, int, float]]:
+    """(name cut to `width`, count, total microseconds) per name, most time first."""
+    counts: collections.Counter[str] = collections.Counter()
+    times: collections.Counter[str] = collections.Counter()
+    for e in events:
+        counts[e["name"][:width]] += 1
+        times[e["name"][:width]] += e["dur"]
+    return [(name, counts[name], us) for name, us in times.most_common()]
 
 
 def main() -> None:
